@@ -1,26 +1,5 @@
-"""Typed errors raised by the engine. The server adapters map them to gRPC status codes."""
+"""The engine's typed errors (defined in services.common.errors, shared with the tokenizer service)."""
 
+from services.common.errors import DuplicateRequestError, EngineError, InvalidRequestError, QueueFullError
 
-class EngineError(Exception):
-    """Base class of every error the engine raises on purpose."""
-
-
-class InvalidRequestError(EngineError, ValueError):
-    """A request the engine will never run as given. `field` names the offending input."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.description = message
-
-
-class QueueFullError(EngineError):
-    """The waiting queue is at its limit; the client may retry later."""
-
-    def __init__(self, message: str, retry_after_s: float = 1.0):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class DuplicateRequestError(EngineError, ValueError):
-    """A request id that is already in flight."""
+__all__ = ["DuplicateRequestError", "EngineError", "InvalidRequestError", "QueueFullError"]

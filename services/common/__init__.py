@@ -1,0 +1,1 @@
+"""Pieces both services share: typed errors and gRPC server plumbing (health, reflection, error mapping)."""

@@ -1,0 +1,29 @@
+"""Typed errors raised by either service. One interceptor maps them to gRPC status codes.
+
+Pure Python: the engine core and the tokenizer library both raise these without importing grpc.
+"""
+
+
+class EngineError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """A request the engine will never run as given. `field` names the offending input."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.description = message
+
+
+class QueueFullError(EngineError):
+    """The waiting queue is at its limit; the client may retry later."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class DuplicateRequestError(EngineError, ValueError):
+    """A request id that is already in flight."""
