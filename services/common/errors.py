@@ -27,3 +27,7 @@ class QueueFullError(EngineError):
 
 class DuplicateRequestError(EngineError, ValueError):
     """A request id that is already in flight."""
+
+
+class UnavailableError(EngineError):
+    """A dependency (the engine service) is down or the service is draining; the client may retry."""

@@ -1,0 +1,187 @@
+"""gRPC server plumbing shared by both services: error mapping, health, reflection, keepalive, shutdown."""
+
+import asyncio
+import contextvars
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from grpc_status import rpc_status
+
+from services.common.errors import (
+    DuplicateRequestError,
+    InvalidRequestError,
+    QueueFullError,
+    UnavailableError,
+)
+
+logger = logging.getLogger(__name__)
+request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+
+# Long generation streams: allow client pings without data and never punish them (ARCHITECTURE.md §4).
+SERVER_OPTIONS = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+]
+CLIENT_OPTIONS = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+]
+
+
+class RequestIdLogFilter(logging.Filter):
+    """Adds the current request id to every log record as %(request_id)s."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id_var.get()
+        return True
+
+
+def configure_logging(level: str = "INFO") -> None:
+    handler = logging.StreamHandler()
+    handler.addFilter(RequestIdLogFilter())
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
+def status_for(exc: BaseException) -> status_pb2.Status:
+    """The google.rpc.Status a typed error maps to; unknown errors become a bare INTERNAL."""
+    if isinstance(exc, InvalidRequestError):
+        violation = error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=exc.description)
+        return _status(code_pb2.INVALID_ARGUMENT, str(exc), error_details_pb2.BadRequest(field_violations=[violation]))
+    if isinstance(exc, QueueFullError):
+        retry = error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(nanos=int(exc.retry_after_s * 1e9)))
+        return _status(code_pb2.RESOURCE_EXHAUSTED, str(exc), retry)
+    if isinstance(exc, UnavailableError):
+        return _status(code_pb2.UNAVAILABLE, str(exc))
+    if isinstance(exc, DuplicateRequestError):
+        return _status(code_pb2.ALREADY_EXISTS, str(exc))
+    return _status(code_pb2.INTERNAL, f"internal error (request {request_id_var.get()})")
+
+
+def _status(code: int, message: str, *details) -> status_pb2.Status:
+    packed = []
+    for detail in details:
+        any_detail = any_pb2.Any()
+        any_detail.Pack(detail)
+        packed.append(any_detail)
+    return status_pb2.Status(code=code, message=message, details=packed)
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    status = status_for(exc)
+    if status.code == code_pb2.INTERNAL:
+        logger.error("unhandled error", exc_info=exc)
+    else:
+        logger.info("request rejected: %s", exc)
+    await context.abort_with_status(rpc_status.to_status(status))
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """The one place where typed errors become gRPC statuses; clients never see a stack trace."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+def _wrap_unary(behavior):
+    async def wrapped(request, context):
+        try:
+            return await behavior(request, context)
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            await abort_with(context, exc)
+
+    return wrapped
+
+
+def _wrap_stream(behavior):
+    async def wrapped(request, context):
+        try:
+            async for response in behavior(request, context):
+                yield response
+        except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as exc:
+            await abort_with(context, exc)
+
+    return wrapped
+
+
+class ServingState:
+    """grpc.health.v1 for one service: "" alive at once, the full name SERVING only when ready."""
+
+    def __init__(self, service_name: str):
+        self.service_name = service_name
+        self.health = health.aio.HealthServicer()
+        self.draining = False
+
+    async def set(self, name: str, status: int) -> None:
+        await self.health.set(name, status)
+
+    async def mark_alive(self) -> None:
+        await self.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.set(self.service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def mark_ready(self, ready: bool = True) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.set(self.service_name, status)
+
+    async def mark_draining(self) -> None:
+        self.draining = True
+        await self.health.enter_graceful_shutdown()
+
+
+def build_server(service_names: Iterable[str], state: ServingState,
+                 add_servicers: Callable[[grpc.aio.Server], None]) -> grpc.aio.Server:
+    """A grpc.aio server with error mapping, health, reflection and keepalive settings."""
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=SERVER_OPTIONS)
+    add_servicers(server)
+    health_pb2_grpc.add_HealthServicer_to_server(state.health, server)
+    names = list(service_names) + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                   reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
+    return server
+
+
+async def run_until_signalled(server: grpc.aio.Server, state: ServingState, grace_s: float,
+                              on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM, then report NOT_SERVING, let streams finish for grace_s and stop."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("draining: health NOT_SERVING, grace %.1fs", grace_s)
+    await state.mark_draining()
+    await server.stop(grace_s)
+    if on_stop is not None:
+        await on_stop()

@@ -1,0 +1,53 @@
+"""Command-line flags for every EngineArgs field, shared by the engine service and the benchmarks."""
+
+import argparse
+import dataclasses
+import types
+import typing
+
+from services.engine.config import EngineArgs
+
+_HELP = {
+    "model": "HF checkpoint directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    "max_num_seqs": "most sequences in one step",
+    "max_num_batched_tokens": "most tokens computed in one step (chunked prefill beyond it)",
+    "max_model_len": "longest prompt + completion (default: the model's, capped at 4096)",
+    "kvcache_block_size": "tokens per KV-cache block",
+    "num_kvcache_blocks": "KV-cache size in blocks (overrides the byte budget)",
+    "kv_cache_memory_bytes": "KV-cache size in bytes",
+    "enable_prefix_caching": "reuse KV blocks of shared prefixes",
+    "device": "auto, cpu or cuda[:N]",
+    "dtype": "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16",
+    "attention_backend": "auto, torch, triton or flash",
+    "enforce_eager": "disable CUDA graphs for decode",
+    "gpu_memory_utilization": "fraction of GPU memory the engine may use",
+    "tensor_parallel_size": "GPUs to shard the model over",
+    "max_waiting": "waiting-queue limit; past it requests get RESOURCE_EXHAUSTED (0 = unbounded)",
+    "seed": "seed of unseeded sampling",
+}
+
+
+def _base_type(annotation) -> type:
+    if isinstance(annotation, str):
+        annotation = eval(annotation, {"int": int, "str": str, "float": float, "bool": bool, "None": None})
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return next(arg for arg in typing.get_args(annotation) if arg is not type(None))
+    return annotation
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add one --flag per EngineArgs field (booleans as --flag / --no-flag)."""
+    group = parser.add_argument_group("engine")
+    for field in dataclasses.fields(EngineArgs):
+        flag = "--" + field.name.replace("_", "-")
+        kind = _base_type(field.type)
+        help_text = f"{_HELP.get(field.name, field.name)} (default: {field.default})"
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
+        else:
+            group.add_argument(flag, type=kind, default=field.default, help=help_text)
+    return parser
+
+
+def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{name: getattr(namespace, name) for name in EngineArgs.field_names()})
