@@ -1,0 +1,155 @@
+"""EngineCore: admission, abort and the step loop `schedule -> execute -> postprocess`.
+
+No threads here: the server (or the offline LLM) calls `step()` from one thread of its own, and
+`add_request` / `abort_request` between steps on that same thread.
+"""
+
+import itertools
+import time
+from collections.abc import Collection
+
+from services.engine.core.config import SchedulerConfig
+from services.engine.core.errors import DuplicateRequestError, InvalidRequestError, QueueFullError
+from services.engine.core.interfaces import EngineStats, ModelRunner, RequestOutput
+from services.engine.core.sampling_params import SamplingParams
+from services.engine.core.scheduler import Scheduler
+from services.engine.core.sequence import Sequence
+
+
+class EngineCore:
+    """Validates and admits requests, steps the scheduler and model runner, reports per-request progress."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        runner: ModelRunner,
+        eos_token_ids: Collection[int],
+        vocab_size: int,
+    ):
+        if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.config = config
+        self.runner = runner
+        self.vocab_size = vocab_size
+        self.scheduler = Scheduler(config, eos_token_ids)
+        self._live: dict[str, Sequence] = {}
+        self._aborted: list[Sequence] = []
+        self._seq_ids = itertools.count()
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Admit a request to the waiting queue.
+
+        Raises InvalidRequestError when it can never run as given, DuplicateRequestError when
+        `request_id` is still in use (until its final output is returned), QueueFullError when the
+        waiting queue is at `max_waiting`.
+        """
+        self.validate_request(prompt_token_ids, sampling)
+        if request_id in self._live or any(seq.request_id == request_id for seq in self._aborted):
+            raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
+        if 0 < self.config.max_waiting <= len(self.scheduler.waiting):
+            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
+        seq = Sequence(
+            seq_id=next(self._seq_ids),
+            request_id=request_id,
+            token_ids=list(prompt_token_ids),
+            sampling=sampling,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+        )
+        self._live[request_id] = seq
+        self.scheduler.add(seq)
+
+    def validate_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        """Raise InvalidRequestError if this request could never run as given.
+
+        Reads only configuration, so other threads may call it while the engine steps.
+        """
+        sampling.validate()
+        num_prompt_tokens = len(prompt_token_ids)
+        max_model_len = self.config.max_model_len
+        if num_prompt_tokens == 0:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if any(not 0 <= token_id < self.vocab_size for token_id in prompt_token_ids):
+            raise InvalidRequestError("prompt.token_ids", f"every id must be in [0, {self.vocab_size})")
+        if num_prompt_tokens > max_model_len:
+            raise InvalidRequestError("prompt", f"{num_prompt_tokens} tokens exceed max_model_len {max_model_len}")
+        if num_prompt_tokens + sampling.max_tokens > max_model_len:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt ({num_prompt_tokens}) + max_tokens ({sampling.max_tokens}) exceeds max_model_len {max_model_len}",
+            )
+        # NOTE: the last sampled token's KV is never computed, so a sequence holds at most
+        # prompt + max_tokens - 1 tokens of KV.
+        block_size = self.config.block_size
+        num_total_blocks = self.scheduler.block_manager.num_total_blocks
+        num_kv_tokens = num_prompt_tokens + sampling.max_tokens - 1
+        if _ceil_div(num_kv_tokens, block_size) > num_total_blocks:
+            field = "prompt" if _ceil_div(num_prompt_tokens, block_size) > num_total_blocks else "max_tokens"
+            raise InvalidRequestError(
+                field,
+                f"needs {num_kv_tokens} tokens of KV cache but it holds only {num_total_blocks * block_size}",
+            )
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; the next step() reports it ABORTED.
+
+        Idempotent: returns True only if the request was live.
+        """
+        seq = self._live.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.abort(seq)
+        self._aborted.append(seq)
+        return True
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; one output per request that got a token, finished or was aborted."""
+        outputs = [self._make_output(seq, []) for seq in self._aborted]
+        self._aborted.clear()
+        batch = self.scheduler.schedule()
+        if batch.seqs:
+            sampled_token_ids = self.runner.execute(batch)
+            for seq in self.scheduler.postprocess(batch, sampled_token_ids):
+                outputs.append(self._make_output(seq, [seq.last_token_id]))
+        return outputs
+
+    def _make_output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
+        if seq.is_finished:
+            self._live.pop(seq.request_id, None)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_token_ids,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_completion_tokens=seq.num_completion_tokens,
+            num_cached_tokens=seq.num_prefix_hit_tokens,
+            matched_stop_token_id=seq.matched_stop_token_id,
+        )
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request runs, waits, or still owes its final (aborted) output."""
+        return bool(self._live or self._aborted)
+
+    def stats(self) -> EngineStats:
+        scheduler = self.scheduler
+        block_manager = scheduler.block_manager
+        return EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_used_blocks=block_manager.num_used_blocks,
+            num_free_blocks=block_manager.num_free_blocks,
+            num_total_blocks=block_manager.num_total_blocks,
+            num_preemptions=scheduler.num_preemptions,
+            num_cached_prompt_tokens=scheduler.num_cached_prompt_tokens,
+            num_computed_prompt_tokens=scheduler.num_computed_prompt_tokens,
+            num_generated_tokens=scheduler.num_generated_tokens,
+        )
+
+
+def _ceil_div(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)

@@ -1,0 +1,178 @@
+"""Continuous batching: which sequences run in the next step, and what their results mean.
+
+The rules (ARCHITECTURE.md §2): a step is all prefill or all decode; prefill goes first, within
+`max_num_seqs` and `max_num_batched_tokens`, chunking only the first sequence of the batch; decode makes
+room by preempting the newest running sequence (recomputation, LIFO), down to the sequence itself.
+"""
+
+from collections import deque
+from collections.abc import Collection
+
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.config import SchedulerConfig
+from services.engine.core.interfaces import SchedulerOutput
+from services.engine.core.sequence import FinishReason, Sequence, SequenceStatus
+
+
+class Scheduler:
+    """Owns the `waiting` and `running` deques and the block manager.
+
+    `waiting` holds new and preempted sequences, and the one (at its head) whose prefill is being chunked;
+    `running` holds fully prefilled sequences in the order they decode.
+    """
+
+    def __init__(self, config: SchedulerConfig, eos_token_ids: Collection[int]):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.block_manager = BlockManager(
+            config.num_kvcache_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+        self.num_cached_prompt_tokens = 0
+        self.num_computed_prompt_tokens = 0
+        self.num_generated_tokens = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence behind the waiting ones."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick the next step's batch: prefill when anything can be prefilled, else decode.
+
+        The batch is empty when nothing can run.
+        """
+        seqs = self._schedule_prefill()
+        if seqs:
+            return SchedulerOutput(seqs, is_prefill=True)
+        return SchedulerOutput(self._schedule_decode(), is_prefill=False)
+
+    def _schedule_prefill(self) -> list[Sequence]:
+        seqs: list[Sequence] = []
+        num_batched_tokens = 0
+        while self.waiting and len(seqs) < self.max_num_seqs:
+            remaining = self.max_num_batched_tokens - num_batched_tokens
+            if remaining <= 0:
+                break
+            seq = self.waiting[0]
+            num_cached_blocks = None
+            if seq.block_table:
+                num_new_tokens = seq.num_tokens - seq.num_cached_tokens
+            else:
+                num_cached_blocks = self.block_manager.can_allocate(seq)
+                if num_cached_blocks is None:
+                    break
+                num_new_tokens = seq.num_tokens - num_cached_blocks * self.block_manager.block_size
+            if num_new_tokens > remaining and seqs:
+                break
+            if num_cached_blocks is not None:
+                self.block_manager.allocate(seq, num_cached_blocks)
+                self.num_cached_prompt_tokens += seq.num_cached_tokens
+            seq.num_scheduled_tokens = min(num_new_tokens, remaining)
+            num_batched_tokens += seq.num_scheduled_tokens
+            if seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens:
+                seq.status = SequenceStatus.RUNNING
+                self.waiting.popleft()
+                self.running.append(seq)
+            seqs.append(seq)
+        return seqs
+
+    def _schedule_decode(self) -> list[Sequence]:
+        # NOTE: one token per sequence, so the token budget caps the batch as well as max_num_seqs.
+        max_batch = min(self.max_num_seqs, self.max_num_batched_tokens)
+        seqs: list[Sequence] = []
+        while self.running and len(seqs) < max_batch:
+            seq = self.running.popleft()
+            if not self._make_room(seq):
+                continue
+            seq.num_scheduled_tokens = 1
+            self.block_manager.may_append(seq)
+            seqs.append(seq)
+        self.running.extendleft(reversed(seqs))
+        return seqs
+
+    def _make_room(self, seq: Sequence) -> bool:
+        """Preempt from the tail of `running` until `seq` can append; False if `seq` itself was preempted."""
+        while not self.block_manager.can_append(seq):
+            if not self.running:
+                self.preempt(seq)
+                return False
+            self.preempt(self.running.pop())
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recomputation: drop all of `seq`'s KV and put it back at the head of `waiting`."""
+        self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_scheduled_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, batch: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[Sequence]:
+        """Record a step's results; return the sequences that got a new token (finished ones included).
+
+        `sampled_token_ids[i]` belongs to `batch.seqs[i]`; it is ignored (None) for a sequence still
+        mid-prefill. A finished sequence frees its blocks and leaves `running`.
+        """
+        if len(sampled_token_ids) != len(batch.seqs):
+            raise RuntimeError(f"runner returned {len(sampled_token_ids)} tokens for {len(batch.seqs)} sequences")
+        updated: list[Sequence] = []
+        for seq, token_id in zip(batch.seqs, sampled_token_ids):
+            self.block_manager.hash_blocks(seq)
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            if batch.is_prefill:
+                self.num_computed_prompt_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            if seq.num_cached_tokens < seq.num_tokens:
+                continue
+            if token_id is None:
+                raise RuntimeError(f"runner sampled no token for fully computed request {seq.request_id}")
+            seq.append_token(token_id)
+            self.num_generated_tokens += 1
+            seq.finish_reason = self._check_finish(seq, token_id)
+            if seq.finish_reason is not None:
+                self._finish(seq)
+                self.running.remove(seq)
+            updated.append(seq)
+        return updated
+
+    def _check_finish(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        """STOP on a stop token id or EOS once `min_tokens` tokens precede it; LENGTH at max_tokens/max_model_len.
+
+        NOTE: `min_tokens` counts the tokens before the stop token, as in vLLM: with min_tokens=2 the
+        earliest stop is the third completion token.
+        """
+        sampling = seq.sampling
+        if seq.num_completion_tokens > sampling.min_tokens:
+            if token_id in sampling.stop_token_ids:
+                seq.matched_stop_token_id = token_id
+                return FinishReason.STOP
+            if not sampling.ignore_eos and token_id in self.eos_token_ids:
+                return FinishReason.STOP
+        if seq.num_completion_tokens >= sampling.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def abort(self, seq: Sequence) -> None:
+        """Take `seq` out of whichever queue holds it and free its blocks (between steps, at any stage)."""
+        if seq.is_finished:
+            return
+        for queue in (self.waiting, self.running):
+            if seq in queue:
+                queue.remove(seq)
+                break
+        seq.num_scheduled_tokens = 0
+        seq.finish_reason = FinishReason.ABORTED
+        self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.deallocate(seq)
