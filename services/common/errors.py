@@ -31,3 +31,14 @@ class DuplicateRequestError(EngineError, ValueError):
 
 class UnavailableError(EngineError):
     """A dependency (the engine service) is down or the service is draining; the client may retry."""
+
+
+class UpstreamStatusError(EngineError):
+    """A status the engine service returned, passed on to the client as it is (code, message, details).
+
+    `status` is a google.rpc.Status message; this module stays free of protobuf imports.
+    """
+
+    def __init__(self, status):
+        super().__init__(status.message)
+        self.status = status

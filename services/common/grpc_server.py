@@ -18,6 +18,7 @@ from services.common.errors import (
     InvalidRequestError,
     QueueFullError,
     UnavailableError,
+    UpstreamStatusError,
 )
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ def configure_logging(level: str = "INFO") -> None:
 
 def status_for(exc: BaseException) -> status_pb2.Status:
     """The google.rpc.Status a typed error maps to; unknown errors become a bare INTERNAL."""
+    if isinstance(exc, UpstreamStatusError):
+        return exc.status
     if isinstance(exc, InvalidRequestError):
         violation = error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=exc.description)
         return _status(code_pb2.INVALID_ARGUMENT, str(exc), error_details_pb2.BadRequest(field_violations=[violation]))

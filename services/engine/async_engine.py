@@ -102,6 +102,11 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    def is_live(self, request_id: str) -> bool:
+        """Whether a stream for this request is open."""
+        with self._lock:
+            return request_id in self._streams
+
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 

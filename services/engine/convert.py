@@ -1,0 +1,117 @@
+"""Protobuf <-> core types for the engine service (the only engine module besides server.py that sees stubs)."""
+
+import time
+
+from google.protobuf import duration_pb2, timestamp_pb2
+from llmserve.common.v1 import common_pb2
+from llmserve.engine.v1 import engine_pb2
+
+from services.common.errors import InvalidRequestError
+from services.engine.core.interfaces import EngineStats, RequestOutput
+from services.engine.core.sampling_params import SamplingParams
+from services.engine.core.sequence import FinishReason
+
+_FINISH_REASONS = {
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.ABORTED: common_pb2.FINISH_REASON_ABORTED,
+}
+
+
+def sampling_from_proto(proto: common_pb2.SamplingParams, num_prompt_tokens: int,
+                        max_model_len: int) -> SamplingParams:
+    """Resolved engine sampling values; unset fields take neutral values, unset max_tokens fills the context.
+
+    Raises InvalidRequestError naming the proto field ("sampling.top_p", ...).
+    """
+    if proto.HasField("top_k") and proto.top_k == 0:
+        raise InvalidRequestError("sampling.top_k", "must be >= 1 (leave it unset to disable top-k)")
+    if proto.HasField("num_logprobs"):
+        raise InvalidRequestError("sampling.num_logprobs", "log-probabilities are not supported by this engine yet")
+    max_tokens = proto.max_tokens if proto.HasField("max_tokens") else max(max_model_len - num_prompt_tokens, 1)
+    try:
+        return SamplingParams(
+            temperature=proto.temperature if proto.HasField("temperature") else 1.0,
+            top_k=proto.top_k if proto.HasField("top_k") else 0,
+            top_p=proto.top_p if proto.HasField("top_p") else 1.0,
+            min_p=proto.min_p if proto.HasField("min_p") else 0.0,
+            seed=proto.seed if proto.HasField("seed") else None,
+            max_tokens=max_tokens,
+            min_tokens=proto.min_tokens if proto.HasField("min_tokens") else 0,
+            ignore_eos=proto.ignore_eos,
+            stop_token_ids=list(proto.stop_token_ids),
+        )
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"sampling.{exc.field}", exc.description) from None
+
+
+def check_stop_token_ids(sampling: SamplingParams, vocab_size: int) -> None:
+    if any(token_id >= vocab_size for token_id in sampling.stop_token_ids):
+        raise InvalidRequestError("sampling.stop_token_ids", f"every id must be below vocab_size {vocab_size}")
+
+
+def prompt_field_name(field: str) -> str:
+    """Core error fields renamed to the engine contract's field names."""
+    return {"prompt": "prompt_token_ids", "prompt.token_ids": "prompt_token_ids",
+            "max_tokens": "sampling.max_tokens"}.get(field, field)
+
+
+def response_from_output(output: RequestOutput, timing: "RequestClock") -> engine_pb2.GenerateResponse:
+    response = engine_pb2.GenerateResponse(
+        request_id=output.request_id,
+        token_ids=output.new_token_ids,
+        usage=common_pb2.Usage(prompt_tokens=output.num_prompt_tokens,
+                               completion_tokens=output.num_completion_tokens,
+                               cached_tokens=output.num_cached_tokens),
+    )
+    if output.finish_reason is not None:
+        response.finish_reason = _FINISH_REASONS[output.finish_reason]
+        response.timing.CopyFrom(timing.to_proto())
+        if output.finish_reason == FinishReason.STOP and output.new_token_ids:
+            response.matched_stop_token_id = output.new_token_ids[-1]
+    return response
+
+
+def load_report(stats: EngineStats, num_finished_requests: int, draining: bool) -> engine_pb2.LoadReport:
+    return engine_pb2.LoadReport(
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        num_used_blocks=stats.num_used_blocks,
+        num_total_blocks=stats.num_total_blocks,
+        num_preemptions=stats.num_preemptions,
+        num_cached_prompt_tokens=stats.num_cached_prompt_tokens,
+        num_prompt_tokens=stats.num_cached_prompt_tokens + stats.num_computed_prompt_tokens,
+        num_generated_tokens=stats.num_generated_tokens,
+        num_finished_requests=num_finished_requests,
+        draining=draining,
+    )
+
+
+class RequestClock:
+    """Wall-clock arrival plus monotonic marks for TTFT and total duration."""
+
+    def __init__(self) -> None:
+        self.arrival_wall = time.time()
+        self.arrival = time.monotonic()
+        self.first_token: float | None = None
+
+    def mark_token(self) -> None:
+        if self.first_token is None:
+            self.first_token = time.monotonic()
+
+    def to_proto(self) -> common_pb2.RequestTiming:
+        now = time.monotonic()
+        timing = common_pb2.RequestTiming(
+            arrival_time=timestamp_pb2.Timestamp(seconds=int(self.arrival_wall),
+                                                 nanos=int((self.arrival_wall % 1) * 1e9)),
+            total_duration=_duration(now - self.arrival),
+        )
+        if self.first_token is not None:
+            timing.time_to_first_token.CopyFrom(_duration(self.first_token - self.arrival))
+        return timing
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    duration = duration_pb2.Duration()
+    duration.FromNanoseconds(int(seconds * 1e9))
+    return duration

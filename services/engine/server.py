@@ -1,0 +1,115 @@
+"""grpc.aio adapter of the engine service: protobuf in, core calls, protobuf out. No model code here."""
+
+import contextlib
+import logging
+import os
+import re
+
+import grpc
+from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc
+
+from services.common.errors import InvalidRequestError, UnavailableError
+from services.common.grpc_server import ServingState, request_id_var
+from services.engine.async_engine import AsyncEngine
+from services.engine.convert import (
+    RequestClock, check_stop_token_ids, load_report, prompt_field_name, response_from_output, sampling_from_proto)
+from services.engine.core.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
+
+
+class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
+    """Streams sampled token ids per engine step; cancellation aborts the sequence within one step."""
+
+    def __init__(self, engine: AsyncEngine, info: engine_pb2.GetEngineInfoResponse, state: ServingState):
+        self.engine = engine
+        self.info = info
+        self.state = state
+        self.num_finished_requests = 0
+
+    def register(self, server: grpc.aio.Server) -> None:
+        engine_pb2_grpc.add_EngineServiceServicer_to_server(self, server)
+
+    async def warm_up(self) -> None:
+        """One short request through the whole path before reporting ready."""
+        sampling = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        async for _ in self.engine.generate("warm-up", [self.info.eos_token_ids[0] if self.info.eos_token_ids else 0],
+                                            sampling):
+            pass
+
+    async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        if self.state.draining:
+            raise UnavailableError("engine is draining")
+        if not request.request_id:
+            raise InvalidRequestError("request_id", "must not be empty")
+        request_id_var.set(request.request_id)
+        prompt = list(request.prompt_token_ids)
+        sampling = self._sampling(request, len(prompt))
+        clock = RequestClock()
+        stream = self.engine.generate(request.request_id, prompt, sampling)
+        async with contextlib.aclosing(stream):
+            try:
+                first = await anext(stream)
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(prompt_field_name(exc.field), exc.description) from None
+            async for output in _chain(first, stream):
+                if output.new_token_ids:
+                    clock.mark_token()
+                if output.finished:
+                    self.num_finished_requests += 1
+                    logger.info("finished: %s, %d prompt + %d completion tokens", output.finish_reason.name,
+                                output.num_prompt_tokens, output.num_completion_tokens)
+                yield response_from_output(output, clock)
+
+    def _sampling(self, request: engine_pb2.GenerateRequest, num_prompt_tokens: int) -> SamplingParams:
+        sampling = sampling_from_proto(request.sampling, num_prompt_tokens, self.info.max_model_len)
+        check_stop_token_ids(sampling, self.info.vocab_size)
+        return sampling
+
+    async def Abort(self, request: engine_pb2.AbortRequest, context) -> engine_pb2.AbortResponse:
+        aborted = [request_id for request_id in request.request_ids if self.engine.is_live(request_id)]
+        for request_id in request.request_ids:
+            self.engine.abort(request_id)
+        return engine_pb2.AbortResponse(aborted_request_ids=aborted)
+
+    async def GetEngineInfo(self, request, context) -> engine_pb2.GetEngineInfoResponse:
+        return self.info
+
+    async def GetLoad(self, request, context) -> engine_pb2.LoadReport:
+        return load_report(self.engine.stats(), self.num_finished_requests, self.state.draining)
+
+
+async def _chain(first, rest):
+    yield first
+    async for item in rest:
+        yield item
+
+
+def engine_info(llm) -> engine_pb2.GetEngineInfoResponse:
+    """Describe a loaded offline engine (services.engine.llm.LLM) for GetEngineInfo."""
+    from services.common.fingerprint import tokenizer_fingerprint
+
+    runner, config = llm.runner, llm.engine.config
+    return engine_pb2.GetEngineInfoResponse(
+        model_name=model_name(runner.model_path),
+        vocab_size=runner.vocab_size,
+        max_model_len=config.max_model_len,
+        eos_token_ids=llm.eos_token_ids,
+        tokenizer_fingerprint=tokenizer_fingerprint(llm.tokenizer) if llm.tokenizer is not None else "",
+        block_size=config.block_size,
+        num_total_blocks=config.num_kvcache_blocks,
+        device=str(runner.device),
+        dtype=str(runner.dtype).removeprefix("torch."),
+        architecture=runner.model_config.architecture,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        enable_prefix_caching=config.enable_prefix_caching,
+        tensor_parallel_size=llm.args.tensor_parallel_size,
+    )
+
+
+def model_name(model_path: str) -> str:
+    """"SmolLM2-135M-Instruct" for .../SmolLM2-135M-Instruct.Q4_1.gguf, the directory name for a checkpoint."""
+    name = os.path.basename(os.path.normpath(model_path))
+    return re.sub(r"[.\-_](?:I?Q\d\w*|[Bb]?[Ff]16|[Ff]32)$", "", name.removesuffix(".gguf"))

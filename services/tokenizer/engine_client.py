@@ -1,0 +1,85 @@
+"""The tokenizer service's view of the engine: one channel, a readiness watch, errors mapped to typed ones."""
+
+import asyncio
+import logging
+
+import grpc
+from grpc_status import rpc_status
+from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc
+
+from services.common.errors import UnavailableError, UpstreamStatusError
+from services.common.grpc_server import CLIENT_OPTIONS
+
+logger = logging.getLogger(__name__)
+
+# Reconnect quickly after the engine restarts instead of gRPC's default backoff of up to two minutes.
+_CHANNEL_OPTIONS = CLIENT_OPTIONS + [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
+
+
+class EngineClient:
+    """Calls the engine service and tracks whether it is reachable and built for our tokenizer."""
+
+    def __init__(self, target: str, fingerprint: str):
+        self.target = target
+        self.fingerprint = fingerprint
+        self.channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
+        self.info: engine_pb2.GetEngineInfoResponse | None = None
+        self.ready = asyncio.Event()
+
+    async def check(self, timeout_s: float = 2.0) -> bool:
+        """Fetch GetEngineInfo; ready only when the engine answers and its tokenizer matches ours."""
+        try:
+            info = await self.stub.GetEngineInfo(engine_pb2.GetEngineInfoRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            self._set_ready(False, f"engine {self.target} unreachable: {exc.code().name}")
+            return False
+        if info.tokenizer_fingerprint and info.tokenizer_fingerprint != self.fingerprint:
+            self._set_ready(False, f"engine tokenizer {info.tokenizer_fingerprint} != ours {self.fingerprint}")
+            return False
+        self.info = info
+        self._set_ready(True, f"engine {self.target} serves {info.model_name}")
+        return True
+
+    def _set_ready(self, ready: bool, message: str) -> None:
+        if ready != self.ready.is_set():
+            logger.info(message) if ready else logger.warning(message)
+        self.ready.set() if ready else self.ready.clear()
+
+    def require_info(self) -> engine_pb2.GetEngineInfoResponse:
+        if self.info is None or not self.ready.is_set():
+            raise UnavailableError(f"engine {self.target} is not available")
+        return self.info
+
+    def generate(self, request: engine_pb2.GenerateRequest, timeout_s: float | None):
+        return self.stub.Generate(request, timeout=timeout_s)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+def upstream_error(exc: grpc.aio.AioRpcError) -> Exception:
+    """Map an engine call's failure to the typed error our interceptor turns into the client's status."""
+    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+        return UnavailableError(f"engine unavailable: {exc.details()}")
+    status = rpc_status.from_call(exc)
+    if status is None:
+        from google.rpc import status_pb2
+
+        status = status_pb2.Status(code=exc.code().value[0], message=exc.details() or "")
+    return UpstreamStatusError(status)
+
+
+async def watch_engine(client: EngineClient, on_change, interval_s: float = 1.0) -> None:
+    """Poll the engine forever; call on_change(ready) whenever readiness flips."""
+    previous = None
+    while True:
+        ready = await client.check()
+        if ready != previous:
+            await on_change(ready)
+            previous = ready
+        await asyncio.sleep(interval_s)

@@ -1,0 +1,114 @@
+"""grpc.aio adapter of the public TextGenerationService: tokenize, stream the engine call, detokenize."""
+
+import asyncio
+import logging
+import uuid
+
+import grpc
+from llmserve.common.v1 import common_pb2
+from llmserve.textgen.v1 import textgen_pb2, textgen_pb2_grpc
+
+from services.common.errors import UnavailableError
+from services.common.grpc_server import ServingState, request_id_var
+from services.tokenizer.convert import ResolvedRequest, check_ids, prompt_ids, resolve_generate
+from services.tokenizer.engine_client import EngineClient, upstream_error, watch_engine
+from services.tokenizer.stop import TextStream
+from services.tokenizer.tokenizer import TextTokenizer
+
+logger = logging.getLogger(__name__)
+SERVICE_NAME = textgen_pb2.DESCRIPTOR.services_by_name["TextGenerationService"].full_name
+
+
+class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
+    """Text in, text deltas out; the engine sees only token ids."""
+
+    def __init__(self, tokenizer: TextTokenizer, engine: EngineClient, state: ServingState,
+                 default_max_tokens: int = 256):
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.state = state
+        self.default_max_tokens = default_max_tokens
+
+    def register(self, server: grpc.aio.Server) -> None:
+        textgen_pb2_grpc.add_TextGenerationServiceServicer_to_server(self, server)
+
+    async def Generate(self, request: textgen_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        request_id = request.request_id or uuid.uuid4().hex
+        request_id_var.set(request_id)
+        if self.state.draining:
+            raise UnavailableError("tokenizer service is draining")
+        info = self.engine.require_info()
+        resolved = await asyncio.to_thread(resolve_generate, request, request_id, self.tokenizer,
+                                           info.max_model_len, self.default_max_tokens)
+        text_stream = TextStream(self.tokenizer.hf_tokenizer, resolved.prompt_ids, resolved.stops,
+                                 resolved.include_stop_str_in_output, resolved.skip_special_tokens)
+        call = self.engine.generate(resolved.engine_request(), context.time_remaining())
+        try:
+            async for response in self._relay(call, resolved, text_stream):
+                yield response
+        except grpc.aio.AioRpcError as exc:
+            raise upstream_error(exc) from None
+        finally:
+            call.cancel()
+
+    async def _relay(self, call, resolved: ResolvedRequest, text_stream: TextStream):
+        """Engine messages -> client messages; on a stop-string match, finish and leave (cancelling the call)."""
+        async for engine_response in call:
+            ids = list(engine_response.token_ids)
+            delta, matched = text_stream.push(ids)
+            response = textgen_pb2.GenerateResponse(request_id=resolved.request_id, text=delta, token_ids=ids,
+                                                    usage=engine_response.usage)
+            if matched is not None:
+                response.finish_reason = common_pb2.FINISH_REASON_STOP
+                response.matched_stop_string = matched
+                response.timing.CopyFrom(engine_response.timing)
+                yield response
+                return
+            if engine_response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                response.text += text_stream.finish()
+                response.finish_reason = engine_response.finish_reason
+                response.timing.CopyFrom(engine_response.timing)
+                if engine_response.HasField("matched_stop_token_id"):
+                    response.matched_stop_token_id = engine_response.matched_stop_token_id
+                yield response
+                return
+            yield response
+        raise UnavailableError("the engine stream ended without a finish reason")
+
+    async def Tokenize(self, request: textgen_pb2.TokenizeRequest, context) -> textgen_pb2.TokenizeResponse:
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        _, ids = await asyncio.to_thread(prompt_ids, request, self.tokenizer, add_special)
+        return textgen_pb2.TokenizeResponse(token_ids=ids, tokens=self.tokenizer.tokens(ids))
+
+    async def Detokenize(self, request: textgen_pb2.DetokenizeRequest, context) -> textgen_pb2.DetokenizeResponse:
+        ids = list(request.token_ids)
+        check_ids("token_ids", ids, self.tokenizer.vocab_size)
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        return textgen_pb2.DetokenizeResponse(text=self.tokenizer.decode(ids, skip_special_tokens=skip))
+
+    async def GetModelInfo(self, request, context) -> textgen_pb2.GetModelInfoResponse:
+        info = self.engine.require_info()
+        defaults = self.tokenizer.generation_defaults()
+        sampling = common_pb2.SamplingParams(temperature=defaults["temperature"], top_p=defaults["top_p"],
+                                             min_p=defaults["min_p"], max_tokens=self.default_max_tokens)
+        if defaults["top_k"]:
+            sampling.top_k = int(defaults["top_k"])
+        response = textgen_pb2.GetModelInfoResponse(
+            model_name=info.model_name or self.tokenizer.name, vocab_size=self.tokenizer.vocab_size,
+            max_model_len=info.max_model_len, eos_token_ids=self.tokenizer.eos_token_ids,
+            has_chat_template=self.tokenizer.has_chat_template, default_sampling=sampling,
+            architecture=info.architecture)
+        if self.tokenizer.bos_token_id is not None:
+            response.bos_token_id = self.tokenizer.bos_token_id
+        return response
+
+
+async def keep_health_in_step(engine: EngineClient, state: ServingState) -> None:
+    """Report ready only while the engine answers with a matching tokenizer."""
+
+    async def on_change(ready: bool) -> None:
+        if not state.draining:
+            await state.mark_ready(ready)
+
+    await watch_engine(engine, on_change)
+
