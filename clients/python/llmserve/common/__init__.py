@@ -1,0 +1,1 @@
+"""Generated code for the llmserve.common proto package (see protos/llmserve/common)."""

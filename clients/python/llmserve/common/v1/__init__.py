@@ -1,0 +1,1 @@
+"""llmserve.common.v1: messages shared by the public and engine APIs (generated from protos/)."""

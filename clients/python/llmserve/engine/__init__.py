@@ -1,0 +1,1 @@
+"""Generated code for the llmserve.engine proto package (see protos/llmserve/engine)."""

@@ -1,0 +1,1 @@
+"""llmserve.engine.v1: the internal engine API (generated from protos/)."""

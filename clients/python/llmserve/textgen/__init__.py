@@ -1,0 +1,1 @@
+"""Generated code for the llmserve.textgen proto package (see protos/llmserve/textgen)."""

@@ -1,0 +1,1 @@
+"""llmserve.textgen.v1: the public text-generation API (generated from protos/)."""

@@ -1,0 +1,1 @@
+"""Tests of the gRPC contracts, the generated code and the Python client."""
