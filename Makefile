@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile clients/python/pyproject.toml tools/package-lo
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(PY) -m services.engine.demo
+	$(PY) tools/serve.py $(ARGS)
 
 test: $(STAMP)
 	# buf lint + format + breaking (against protos/baseline/v1.json and the last commit); fails if buf is missing.
