@@ -1,11 +1,9 @@
 """Protobuf <-> core types for the engine service (the only engine module besides server.py that sees stubs)."""
 
-import time
-
-from google.protobuf import duration_pb2, timestamp_pb2
 from llmserve.common.v1 import common_pb2
 from llmserve.engine.v1 import engine_pb2
 
+from services.common.convert import RequestClock
 from services.common.errors import InvalidRequestError
 from services.engine.core.interfaces import EngineStats, RequestOutput
 from services.engine.core.sampling_params import SamplingParams
@@ -56,7 +54,7 @@ def prompt_field_name(field: str) -> str:
             "max_tokens": "sampling.max_tokens"}.get(field, field)
 
 
-def response_from_output(output: RequestOutput, timing: "RequestClock") -> engine_pb2.GenerateResponse:
+def response_from_output(output: RequestOutput, timing: RequestClock) -> engine_pb2.GenerateResponse:
     response = engine_pb2.GenerateResponse(
         request_id=output.request_id,
         token_ids=output.new_token_ids,
@@ -85,33 +83,3 @@ def load_report(stats: EngineStats, num_finished_requests: int, draining: bool) 
         num_finished_requests=num_finished_requests,
         draining=draining,
     )
-
-
-class RequestClock:
-    """Wall-clock arrival plus monotonic marks for TTFT and total duration."""
-
-    def __init__(self) -> None:
-        self.arrival_wall = time.time()
-        self.arrival = time.monotonic()
-        self.first_token: float | None = None
-
-    def mark_token(self) -> None:
-        if self.first_token is None:
-            self.first_token = time.monotonic()
-
-    def to_proto(self) -> common_pb2.RequestTiming:
-        now = time.monotonic()
-        timing = common_pb2.RequestTiming(
-            arrival_time=timestamp_pb2.Timestamp(seconds=int(self.arrival_wall),
-                                                 nanos=int((self.arrival_wall % 1) * 1e9)),
-            total_duration=_duration(now - self.arrival),
-        )
-        if self.first_token is not None:
-            timing.time_to_first_token.CopyFrom(_duration(self.first_token - self.arrival))
-        return timing
-
-
-def _duration(seconds: float) -> duration_pb2.Duration:
-    duration = duration_pb2.Duration()
-    duration.FromNanoseconds(int(seconds * 1e9))
-    return duration

@@ -1,5 +1,6 @@
 """grpc.aio adapter of the engine service: protobuf in, core calls, protobuf out. No model code here."""
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -53,14 +54,19 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 first = await anext(stream)
             except InvalidRequestError as exc:
                 raise InvalidRequestError(prompt_field_name(exc.field), exc.description) from None
-            async for output in _chain(first, stream):
-                if output.new_token_ids:
-                    clock.mark_token()
-                if output.finished:
-                    self.num_finished_requests += 1
-                    logger.info("finished: %s, %d prompt + %d completion tokens", output.finish_reason.name,
-                                output.num_prompt_tokens, output.num_completion_tokens)
-                yield response_from_output(output, clock)
+            except asyncio.CancelledError:
+                self.num_finished_requests += 1  # cancelled while queued: it ends here too
+                raise
+            try:
+                async for output in _chain(first, stream):
+                    if output.new_token_ids:
+                        clock.mark_token()
+                    if output.finished:
+                        logger.info("finished: %s, %d prompt + %d completion tokens", output.finish_reason.name,
+                                    output.num_prompt_tokens, output.num_completion_tokens)
+                    yield response_from_output(output, clock)
+            finally:
+                self.num_finished_requests += 1  # whatever the reason: cancelled and aborted requests count too
 
     def _sampling(self, request: engine_pb2.GenerateRequest, num_prompt_tokens: int) -> SamplingParams:
         sampling = sampling_from_proto(request.sampling, num_prompt_tokens, self.info.max_model_len)

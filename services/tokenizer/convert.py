@@ -1,6 +1,7 @@
 """Public request -> resolved engine request: prompt to ids, sampling defaults, validation with field names."""
 
 import math
+import uuid
 from dataclasses import dataclass
 
 from llmserve.common.v1 import common_pb2
@@ -25,8 +26,10 @@ class ResolvedRequest:
     include_stop_str_in_output: bool
 
     def engine_request(self) -> engine_pb2.GenerateRequest:
-        return engine_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_ids,
-                                          sampling=self.sampling)
+        """The engine call. Its id is the caller's plus a fresh suffix: callers' ids need not be unique, and an
+        engine id must be (a retry right after a cancel would otherwise collide with the aborted request)."""
+        return engine_pb2.GenerateRequest(request_id=f"{self.request_id}-{uuid.uuid4().hex[:12]}",
+                                          prompt_token_ids=self.prompt_ids, sampling=self.sampling)
 
 
 def prompt_ids(request, tokenizer: TextTokenizer, add_special_tokens: bool = True) -> tuple[str, list[int]]:

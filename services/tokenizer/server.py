@@ -8,6 +8,7 @@ import grpc
 from llmserve.common.v1 import common_pb2
 from llmserve.textgen.v1 import textgen_pb2, textgen_pb2_grpc
 
+from services.common.convert import RequestClock
 from services.common.errors import UnavailableError
 from services.common.grpc_server import ServingState, request_id_var
 from services.tokenizer.convert import ResolvedRequest, check_ids, prompt_ids, resolve_generate
@@ -33,6 +34,7 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
         textgen_pb2_grpc.add_TextGenerationServiceServicer_to_server(self, server)
 
     async def Generate(self, request: textgen_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        clock = RequestClock()
         request_id = request.request_id or uuid.uuid4().hex
         request_id_var.set(request_id)
         if self.state.draining:
@@ -44,30 +46,35 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
                                  resolved.include_stop_str_in_output, resolved.skip_special_tokens)
         call = self.engine.generate(resolved.engine_request(), context.time_remaining())
         try:
-            async for response in self._relay(call, resolved, text_stream):
+            async for response in self._relay(call, resolved, text_stream, clock):
                 yield response
         except grpc.aio.AioRpcError as exc:
             raise upstream_error(exc) from None
         finally:
             call.cancel()
 
-    async def _relay(self, call, resolved: ResolvedRequest, text_stream: TextStream):
-        """Engine messages -> client messages; on a stop-string match, finish and leave (cancelling the call)."""
+    async def _relay(self, call, resolved: ResolvedRequest, text_stream: TextStream, clock: RequestClock):
+        """Engine messages -> client messages; on a stop-string match, finish and leave (cancelling the call).
+
+        The timing on the last message is this service's own (RequestTiming is measured by its sender).
+        """
         async for engine_response in call:
             ids = list(engine_response.token_ids)
+            if ids:
+                clock.mark_token()
             delta, matched = text_stream.push(ids)
             response = textgen_pb2.GenerateResponse(request_id=resolved.request_id, text=delta, token_ids=ids,
                                                     usage=engine_response.usage)
             if matched is not None:
                 response.finish_reason = common_pb2.FINISH_REASON_STOP
                 response.matched_stop_string = matched
-                response.timing.CopyFrom(engine_response.timing)
+                response.timing.CopyFrom(clock.to_proto())
                 yield response
                 return
             if engine_response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 response.text += text_stream.finish()
                 response.finish_reason = engine_response.finish_reason
-                response.timing.CopyFrom(engine_response.timing)
+                response.timing.CopyFrom(clock.to_proto())
                 if engine_response.HasField("matched_stop_token_id"):
                     response.matched_stop_token_id = engine_response.matched_stop_token_id
                 yield response
