@@ -1,0 +1,13 @@
+"""Gated activation for the merged gate/up projection."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """silu(gate) * up for x = [gate | up] along the last dim: [N, 2I] -> [N, I]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up

@@ -1,0 +1,126 @@
+"""The vectorized sampler: greedy, filters, temperature and per-request seeds."""
+
+import torch
+
+from services.engine.core.sampling_params import SamplingParams
+from services.engine.runner.sampler import Sampler, make_sampling_batch
+from tests.runner.helpers import make_seq
+
+CPU = torch.device("cpu")
+VOCAB = 1000
+
+
+def _seqs(params: list[SamplingParams], num_completion_tokens: int = 0):
+    prompt = [1, 2, 3]
+    return [make_seq(i, prompt + [7] * num_completion_tokens, [0], sampling=p, num_prompt_tokens=len(prompt))
+            for i, p in enumerate(params)]
+
+
+def _sample(sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams], num_completion_tokens: int = 0):
+    return sampler(logits, make_sampling_batch(_seqs(params, num_completion_tokens), logits.shape[1], CPU))
+
+
+def _random_logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _filtered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    return Sampler.filtered_probs(logits, make_sampling_batch(_seqs(params), logits.shape[1], CPU))
+
+
+def test_greedy_is_argmax():
+    logits = _random_logits(5)
+    assert _sample(Sampler(0, CPU), logits, [SamplingParams(temperature=0.0)] * 5) == logits.argmax(-1).tolist()
+
+
+def test_top_k_1_equals_greedy_whatever_the_seed():
+    logits = _random_logits(6, seed=1)
+    for seed in range(3):
+        params = [SamplingParams(temperature=1.3, top_k=1, seed=seed if i % 2 else None) for i in range(6)]
+        assert _sample(Sampler(seed, CPU), logits, params) == logits.argmax(-1).tolist()
+
+
+def test_greedy_rows_stay_greedy_in_a_sampled_batch():
+    logits = _random_logits(4, seed=2)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=5.0)] * 2
+    ids = _sample(Sampler(0, CPU), logits, params)
+    assert ids[0] == logits[0].argmax() and ids[2] == logits[2].argmax()
+
+
+def test_top_k_keeps_the_k_largest():
+    logits = _random_logits(3, seed=3)
+    probs = _filtered(logits, [SamplingParams(top_k=5), SamplingParams(top_k=1), SamplingParams()])
+    for row, k in ((0, 5), (1, 1)):
+        assert set(probs[row].nonzero().flatten().tolist()) == set(logits[row].topk(k).indices.tolist())
+    assert probs[2].gt(0).all()
+
+
+def test_top_p_keeps_the_smallest_head_reaching_p():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    probs = _filtered(logits, [SamplingParams(top_p=0.7)])
+    torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    probs = _filtered(logits, [SamplingParams(top_p=0.85)])
+    assert probs.gt(0).tolist() == [[True, True, True, False]]
+    probs = _filtered(logits, [SamplingParams(top_p=0.4)])
+    assert probs.gt(0).tolist() == [[True, False, False, False]]
+
+
+def test_top_p_applies_to_the_top_k_survivors():
+    logits = torch.tensor([[0.4, 0.3, 0.2, 0.1]]).log()
+    # top-2 renormalizes to [4/7, 3/7]; top-p 0.5 then keeps only the first.
+    probs = _filtered(logits, [SamplingParams(top_k=2, top_p=0.5)])
+    assert probs.gt(0).tolist() == [[True, False, False, False]]
+
+
+def test_min_p_masks_tokens_below_a_fraction_of_the_top():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]]).log()
+    probs = _filtered(logits, [SamplingParams(min_p=0.2), SamplingParams(min_p=0.5)])
+    assert probs.gt(0).tolist() == [[True, True, True, False], [True, True, False, False]]
+
+
+def test_samples_never_come_from_masked_tokens():
+    logits = _random_logits(64, seed=4)
+    params = [SamplingParams(temperature=2.0, top_k=3, seed=i if i % 3 else None) for i in range(64)]
+    ids = _sample(Sampler(5, CPU), logits, params)
+    allowed = logits.topk(3).indices
+    assert all(token in allowed[row].tolist() for row, token in enumerate(ids))
+
+
+def _frequencies(logits_row: torch.Tensor, temperature: float, num_draws: int = 4000) -> torch.Tensor:
+    logits = logits_row.expand(num_draws, -1).contiguous()
+    ids = _sample(Sampler(11, CPU), logits, [SamplingParams(temperature=temperature)] * num_draws)
+    return torch.bincount(torch.tensor(ids), minlength=logits.shape[1]).float() / num_draws
+
+
+def test_temperature_changes_the_distribution_as_softmax_predicts():
+    row = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    for temperature in (0.5, 1.0, 2.0):
+        expected = (row / temperature).softmax(-1)
+        observed = _frequencies(row, temperature)
+        assert (observed - expected).abs().max() < 0.03, (temperature, observed, expected)
+    assert _frequencies(row, 0.5)[0] > _frequencies(row, 2.0)[0] + 0.2
+
+
+def test_seeded_draws_ignore_the_rest_of_the_batch():
+    flat = torch.zeros(1, VOCAB)  # uniform: every draw is decided by the random numbers alone
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+    alone = [_sample(Sampler(0, CPU), flat, [seeded], step)[0] for step in range(4)]
+    for position, batch_size, sampler_seed in ((0, 3, 1), (2, 3, 2), (4, 7, 3)):
+        params = [SamplingParams(temperature=1.0, seed=None if i % 2 else 99) for i in range(batch_size)]
+        params[position] = seeded
+        sampler = Sampler(sampler_seed, CPU)
+        logits = _random_logits(batch_size, seed=position)
+        logits[position] = 0.0
+        in_batch = [_sample(sampler, logits, params, step)[position] for step in range(4)]
+        assert in_batch == alone
+    assert len(set(alone)) > 1, "the sample index must feed the seed"
+
+
+def test_different_seeds_draw_differently_and_unseeded_rows_vary():
+    flat = torch.zeros(8, VOCAB)
+    seeded = _sample(Sampler(0, CPU), flat, [SamplingParams(seed=s) for s in range(8)])
+    assert len(set(seeded)) > 4
+    sampler = Sampler(0, CPU)
+    first = _sample(sampler, flat, [SamplingParams()] * 8)
+    second = _sample(sampler, flat, [SamplingParams()] * 8)
+    assert first != second
