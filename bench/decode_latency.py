@@ -57,7 +57,7 @@ def main() -> None:
     engine_args = engine_args_from(args)
     llm = LLM(**{name: getattr(engine_args, name) for name in engine_args.field_names()})
     prompt = [(7 * i + 11) % 5000 + 10 for i in range(args.prompt_len)]
-    model, _ = load_hf_model(args.model, llm.device)
+    model, _ = load_hf_model(args.model, str(llm.runner.device))
     ours = min(ours_decode_ms(llm, prompt, args.new_tokens) for _ in range(args.repeats))
     theirs = min(hf_decode_ms(model, prompt, args.new_tokens) for _ in range(args.repeats))
     print(f"llmserve batch-1 decode: {ours:.2f} ms/token ({1e3 / ours:.1f} tok/s)")

@@ -88,7 +88,7 @@ def main() -> None:
     args = parser.parse_args()
 
     llm = LLM(**_engine_kwargs(args))
-    workload = make_workload(args, llm.vocab_size)
+    workload = make_workload(args, llm.runner.vocab_size)
     print(f"workload: {args.num_seqs} seqs, input {args.min_input}-{args.max_input}, "
           f"output {args.min_output}-{args.max_output}, {sum(len(p) for p, _ in workload)} prompt tokens, "
           f"{sum(n for _, n in workload)} output tokens")
@@ -97,7 +97,7 @@ def main() -> None:
     print(f"llmserve: {ours_tokens} tokens in {ours_s:.2f}s = {ours_tps:.1f} tok/s  stats={llm.stats()}")
     if not args.compare_hf:
         return
-    hf_s, hf_tokens = run_hf(args.model, workload, args.hf_batch_size or args.max_num_seqs, llm.device)
+    hf_s, hf_tokens = run_hf(args.model, workload, args.hf_batch_size or args.max_num_seqs, str(llm.runner.device))
     hf_tps = hf_tokens / hf_s
     print(f"transformers: {hf_tokens} tokens in {hf_s:.2f}s = {hf_tps:.1f} tok/s")
     print(f"ratio llmserve/transformers: {ours_tps / hf_tps:.2f}x")
