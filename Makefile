@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml Makefile clients/python/pyproject.toml tools/package-lo
 	$(PY) -m pip install -q -e clients/python
 	# buf (proto lint and breaking-change checks), pinned by tools/package-lock.json.
 	npm ci --prefix tools --no-audit --no-fund --loglevel=error
+	# Build the CPU paged-attention kernel once now rather than on the first request.
+	$(PY) -c "from services.engine.kernels.cpu_decode_attention import load; load()"
 	touch $(STAMP)
 
 serve: $(STAMP)
