@@ -34,11 +34,11 @@ def test_auto_without_flash_attn_is_triton_on_cuda_and_torch_on_cpu(flash_missin
     with caplog.at_level(logging.WARNING, logger=select.__name__):
         assert resolve_backend_name("auto", "cuda", 16) == "triton"
     assert caplog.text == ""
-    assert resolve_backend_name("auto", "cpu", 256) == "torch"
+    assert resolve_backend_name("auto", "cpu", 256) in ("cpu", "torch")
 
 
 def test_auto_on_cpu_never_picks_flash_attn_even_when_installed(flash_installed):
-    assert resolve_backend_name("auto", "cpu", 256) == "torch"
+    assert resolve_backend_name("auto", "cpu", 256) in ("cpu", "torch")
 
 
 def test_explicit_flash_attn_with_a_bad_block_size_is_a_clear_error(flash_installed):
@@ -57,7 +57,7 @@ def test_explicit_flash_attn_needs_cuda_and_the_package(flash_missing, monkeypat
 
 def test_get_backend_builds_the_fallback(flash_installed):
     assert get_backend("auto", "cuda", 16).name == "triton"
-    assert get_backend("auto", "cpu", 16).name == "torch"
+    assert get_backend("auto", "cpu", 16).name in ("cpu", "torch")
 
 
 def test_block_multiple_matches_the_flash_attn_backend_module():

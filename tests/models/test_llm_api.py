@@ -81,3 +81,19 @@ def test_text_needs_a_tokenizer(tiny_llama):
     with pytest.raises(ValueError, match="tokenizer"):
         llm.generate("hello", GREEDY, use_tqdm=False)
     assert torch.is_inference_mode_enabled() is False
+
+
+@pytest.mark.slow
+def test_min_tokens_keeps_eos_out_until_reached(default_llm):
+    """A chat reply that greedily ends early must run to min_tokens without an EOS, then may stop."""
+    messages = [{"role": "user", "content": "Reply with one word: yes or no?"}]
+    short = default_llm.chat(messages, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0]
+    assert short["finish_reason"] == "stop"
+    num_short = len(short["token_ids"])
+    min_tokens = num_short + 5
+    longer = default_llm.chat(messages, SamplingParams(temperature=0, max_tokens=64, min_tokens=min_tokens),
+                              use_tqdm=False)[0]
+    ids = longer["token_ids"]
+    assert len(ids) > min_tokens
+    assert not set(ids[:min_tokens]) & set(default_llm.eos_token_ids)
+    assert ids[:num_short - 1] == short["token_ids"][:num_short - 1]

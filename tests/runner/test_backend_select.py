@@ -6,7 +6,18 @@ from services.engine.layers.attention_backends.select import get_backend, resolv
 from services.engine.layers.attention_backends.torch_ref import TorchRefBackend
 
 
-def test_auto_on_cpu_is_the_torch_reference():
+def test_auto_on_cpu_is_the_compiled_kernel_backend_when_it_builds(monkeypatch):
+    import services.engine.layers.attention_backends.select as select
+
+    monkeypatch.setattr(select, "_cpu_kernel_available", lambda: True)
+    assert resolve_backend_name("auto", "cpu") == "cpu"
+    assert get_backend("auto", "cpu").name == "cpu"
+
+
+def test_auto_on_cpu_falls_back_to_the_torch_reference_without_a_compiler(monkeypatch):
+    import services.engine.layers.attention_backends.select as select
+
+    monkeypatch.setattr(select, "_cpu_kernel_available", lambda: False)
     assert resolve_backend_name("auto", "cpu") == "torch"
     assert isinstance(get_backend("auto", "cpu"), TorchRefBackend)
 

@@ -23,7 +23,7 @@ from services.engine.models.registry import get_model_class
 from services.engine.runner.cuda_graphs import DecodeGraphBuffers, DecodeGraphs, graph_batch_sizes
 from services.engine.runner.inputs import StepInputs, build_decode, build_prefill, cacheless_prefill, to_model_inputs
 from services.engine.runner.kv_cache import allocate_kv_cache, bind_kv_cache, size_kv_cache, unbound_kv_cache
-from services.engine.runner.sampler import Sampler, make_sampling_batch
+from services.engine.runner.sampler import Sampler, make_sampling_batch, suppress_stop_tokens_below_min
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +229,7 @@ class ModelRunner:
         if logits is None:
             return None, sample_seq_indices
         sampled_seqs = [batch.seqs[i] for i in sample_seq_indices]
+        suppress_stop_tokens_below_min(logits, sampled_seqs, self.eos_token_ids)
         return self.sampler.sample(logits, make_sampling_batch(sampled_seqs, self.vocab_size, self.device)), \
             sample_seq_indices
 

@@ -64,6 +64,17 @@ def make_sampling_batch(seqs: list[Sequence], vocab_size: int, device: torch.dev
     )
 
 
+def suppress_stop_tokens_below_min(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> None:
+    """Rows still short of min_tokens cannot pick EOS (unless ignore_eos) or a stop token id (in place)."""
+    for row, seq in enumerate(seqs):
+        sampling = seq.sampling
+        if seq.num_completion_tokens >= sampling.min_tokens:
+            continue
+        banned = list(sampling.stop_token_ids) + ([] if sampling.ignore_eos else list(eos_token_ids))
+        if banned:
+            logits[row, banned] = float("-inf")
+
+
 def seeded_generator(seed: int, sample_index: int, device: torch.device) -> torch.Generator:
     generator = torch.Generator(device=device)
     generator.manual_seed((seed * _SEED_MIX + sample_index) & _SEED_MASK)

@@ -1,6 +1,7 @@
 """Choose an attention backend by name for a device and KV block size.
 
-"auto": flash-attn when it imports on CUDA and the block size suits it, else Triton on CUDA, else the
+"auto": flash-attn when it imports on CUDA and the block size suits it, else Triton on CUDA; on the CPU the
+"cpu" backend (the torch reference with a compiled paged decode kernel) when that kernel builds, else the
 torch reference. flash-attn 2 reads a paged KV cache only in pages of a multiple of 256 tokens, so "auto"
 with another block size falls back to Triton (with a warning), and an explicit "flash-attn" with such a
 block size is refused.
@@ -15,7 +16,7 @@ from services.engine.layers.attention_backends.base import AttentionBackend
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("auto", "torch", "triton", "flash-attn")
+BACKEND_NAMES = ("auto", "torch", "cpu", "triton", "flash-attn")
 _ALIASES = {"flash": "flash-attn", "flash_attn": "flash-attn", "flashattn": "flash-attn"}
 # Same as attention_backends.flash_attn.FLASH_ATTN_PAGE_MULTIPLE (not imported: that module loads triton).
 FLASH_ATTN_BLOCK_MULTIPLE = 256
@@ -41,7 +42,7 @@ def resolve_backend_name(name: str, device: torch.device | str, block_size: int 
     if name != "auto":
         return name
     if not is_cuda:
-        return "torch"
+        return "cpu" if _cpu_kernel_available() else "torch"
     if _flash_attn_available():
         if fits_flash:
             return "flash-attn"
@@ -61,6 +62,12 @@ def _check_explicit_flash(is_cuda: bool, fits_flash: bool, block_size: int | Non
         raise ValueError(f"the flash-attn attention backend needs a KV block size that is a multiple of "
                          f"{FLASH_ATTN_BLOCK_MULTIPLE} (flash-attn's paged KV requirement), got {block_size}; "
                          f"pass --kvcache-block-size 256 or use the 'triton' backend")
+
+
+def _cpu_kernel_available() -> bool:
+    from services.engine.layers.attention_backends.cpu import CpuBackend
+
+    return CpuBackend.available()
 
 
 def _flash_attn_available() -> bool:
@@ -88,6 +95,10 @@ def get_backend(name: str, device: torch.device | str, block_size: int | None = 
         from services.engine.layers.attention_backends.torch_ref import TorchRefBackend
 
         return TorchRefBackend()
+    if resolved == "cpu":
+        from services.engine.layers.attention_backends.cpu import CpuBackend
+
+        return CpuBackend()
     if resolved == "triton":
         from services.engine.layers.attention_backends.triton import TritonBackend
 
