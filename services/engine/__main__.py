@@ -4,12 +4,14 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
 
 from services.common.grpc_server import ServingState, build_server, configure_logging, run_until_signalled
 from services.engine.async_engine import AsyncEngine
 from services.engine.cli_args import add_engine_args, engine_args_from
 
 logger = logging.getLogger("llmserve.engine")
+SWITCH_INTERVAL_S = 0.0005
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,6 +55,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.model == "":
         args.model = None
     configure_logging(args.log_level)
+    # NOTE: the engine thread hands the GIL back and forth around every torch op; with the gRPC thread
+    # busy, the default 5 ms switch interval turns each hand-back into a long wait.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     asyncio.run(serve(args))
 
 

@@ -41,6 +41,13 @@ class _Stream:
 
 
 _STOP = object()
+HANDOFF_WAIT_S = 0.05
+
+
+def _put_all(loop: asyncio.AbstractEventLoop, items: list, relayed: threading.Event) -> None:
+    for outputs, item in items:
+        outputs.put_nowait(item)
+    loop.call_soon(relayed.set)  # after the consumers just woken have run
 
 
 class AsyncEngine:
@@ -168,8 +175,24 @@ class AsyncEngine:
             logger.exception("engine step failed; failing every request in flight")
             self._fail_all(exc)
             return
-        for output in outputs:
-            self._deliver(output.request_id, output)
+        self._deliver_step(outputs)
+
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their event loops in one wake-up each, then give the loop a moment.
+
+        NOTE: on a small CPU the gRPC work of a step competes with the next step's matmul threads; letting
+        the loop relay the step's messages first (bounded by HANDOFF_WAIT_S) costs less than the contention.
+        """
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._lock:
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is not None:
+                    batches.setdefault(stream.loop, []).append((stream.outputs, output))
+        for loop, items in batches.items():
+            relayed = threading.Event()
+            loop.call_soon_threadsafe(_put_all, loop, items, relayed)
+            relayed.wait(HANDOFF_WAIT_S)
 
     def _fail_all(self, exc: Exception) -> None:
         with self._lock:
