@@ -31,7 +31,7 @@ import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from bench.offline import make_workload  # noqa: E402
-from bench.serving_metrics import RequestRecord, Summary, final_report, summarize  # noqa: E402
+from bench.serving_metrics import RequestRecord, Summary, final_report, percentile, summarize, ttft_s  # noqa: E402
 from llmserve.common.v1 import common_pb2  # noqa: E402
 from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 from llmserve.textgen.v1 import textgen_pb2, textgen_pb2_grpc  # noqa: E402
@@ -226,6 +226,35 @@ async def served_runs(args, workload, target: str, engine_target: str | None, in
     return results
 
 
+async def ttft_probe(num_pairs: int, workload, target: str, engine_target: str, info) -> str:
+    """Paired, sequential single requests (1 token) via the tokenizer service and straight to the engine.
+
+    Pairs alternate which path goes first, so drift in the machine's speed cancels out of each difference;
+    the p50 of the differences is what the tokenizer service adds to time to first token.
+    """
+    sampling = sampling_for(info.default_sampling, 0.0, 1)
+    prompt = workload[0][0]
+    gaps, via_ms, direct_ms = [], [], []
+    async with grpc.aio.insecure_channel(target) as public, grpc.aio.insecure_channel(engine_target) as internal:
+        textgen = textgen_pb2_grpc.TextGenerationServiceStub(public).Generate
+        engine = engine_pb2_grpc.EngineServiceStub(internal).Generate
+        for pair in range(num_pairs):
+            ids = [20 + 2 * pair, *prompt[1:]]  # first ids unlike any other run's, so no prefix-cache hits
+            via = lambda: stream(textgen, textgen_pb2.GenerateRequest(  # noqa: E731
+                request_id=f"probe-tok-{pair}", token_ids={"ids": ids}, sampling=sampling), 1)
+            straight = lambda: stream(engine, engine_pb2.GenerateRequest(  # noqa: E731
+                request_id=f"probe-eng-{pair}", prompt_token_ids=[ids[0] + 1, *ids[1:]], sampling=sampling), 1)
+            first, second = (via, straight) if pair % 2 == 0 else (straight, via)
+            a, b = await first(), await second()
+            record_via, record_direct = (a, b) if pair % 2 == 0 else (b, a)
+            via_ms.append(ttft_s(record_via) * 1e3)
+            direct_ms.append(ttft_s(record_direct) * 1e3)
+            gaps.append(via_ms[-1] - direct_ms[-1])
+    return (f"TTFT probe ({num_pairs} pairs, {len(prompt)}-token prompt, 1 token): via tokenizer p50 "
+            f"{percentile(via_ms, 50):.1f} ms, engine direct p50 {percentile(direct_ms, 50):.1f} ms, "
+            f"paired difference p50 {percentile(gaps, 50):.1f} ms")
+
+
 def run_offline(args, workload, info) -> float:
     """Output tokens/s of the same workload through the offline LLM in this process, after the same warm-up."""
     from services.engine import LLM, SamplingParams
@@ -266,6 +295,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--target", default=None, help="a running tokenizer service (default: start one)")
     parser.add_argument("--engine-target", default=None, help="a running engine service (default: start one)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for the engine and offline")
+    parser.add_argument("--ttft-probe", type=int, default=0, metavar="PAIRS",
+                        help="also time PAIRS paired single requests via the tokenizer and direct (service overhead)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 8 short requests, both load modes")
     add_engine_args(parser)
     args = parser.parse_args(argv)
@@ -309,6 +340,9 @@ def main() -> None:
               f"{sum(n for _, n in workload)} output tokens; engine flags: {engine_argv(engine_args_from(args))}",
               flush=True)
         results = asyncio.run(served_runs(args, workload, target, engine_target, info))
+        probe = None
+        if args.ttft_probe and engine_target:
+            probe = asyncio.run(ttft_probe(args.ttft_probe, workload, target, engine_target, info))
     finally:
         for service in reversed(started):
             service.stop()
@@ -318,6 +352,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     text, num_failed = final_report(results, run_offline(args, workload, info))
     print(text)
+    if probe:
+        print(probe)
     if num_failed:
         sys.exit(f"{num_failed} requests failed")
 
