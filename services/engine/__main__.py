@@ -25,15 +25,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from services.engine.llm import LLM
+    from services.engine.engine_process import EngineProcess
     from services.engine.server import SERVICE_NAME, EngineServicer, engine_info
 
     engine_args = engine_args_from(args)
-    llm = LLM(**{name: getattr(engine_args, name) for name in engine_args.field_names()})
-    engine = AsyncEngine(llm.engine, max_waiting=engine_args.max_waiting)
+    core = await asyncio.to_thread(EngineProcess, {name: getattr(engine_args, name)
+                                                   for name in engine_args.field_names()})
+    engine = AsyncEngine(core, max_waiting=engine_args.max_waiting)
     engine.start()
     state = ServingState(SERVICE_NAME)
-    servicer = EngineServicer(engine, engine_info(llm), state)
+    servicer = EngineServicer(engine, engine_info(core.description), state)
     server = build_server([SERVICE_NAME], state, servicer.register)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     await server.start()
@@ -46,6 +47,7 @@ async def serve(args: argparse.Namespace) -> None:
 
     async def stop_engine() -> None:
         engine.shutdown()
+        core.close()
 
     await run_until_signalled(server, state, args.grace_period, stop_engine)
 

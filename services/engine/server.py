@@ -3,8 +3,6 @@
 import asyncio
 import contextlib
 import logging
-import os
-import re
 
 import grpc
 from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc
@@ -92,30 +90,6 @@ async def _chain(first, rest):
         yield item
 
 
-def engine_info(llm) -> engine_pb2.GetEngineInfoResponse:
-    """Describe a loaded offline engine (services.engine.llm.LLM) for GetEngineInfo."""
-    from services.common.fingerprint import tokenizer_fingerprint
-
-    runner, config = llm.runner, llm.engine.config
-    return engine_pb2.GetEngineInfoResponse(
-        model_name=model_name(runner.model_path),
-        vocab_size=runner.vocab_size,
-        max_model_len=config.max_model_len,
-        eos_token_ids=llm.eos_token_ids,
-        tokenizer_fingerprint=tokenizer_fingerprint(llm.tokenizer) if llm.tokenizer is not None else "",
-        block_size=config.block_size,
-        num_total_blocks=config.num_kvcache_blocks,
-        device=str(runner.device),
-        dtype=str(runner.dtype).removeprefix("torch."),
-        architecture=runner.model_config.architecture,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        enable_prefix_caching=config.enable_prefix_caching,
-        tensor_parallel_size=llm.args.tensor_parallel_size,
-    )
-
-
-def model_name(model_path: str) -> str:
-    """"SmolLM2-135M-Instruct" for .../SmolLM2-135M-Instruct.Q4_1.gguf, the directory name for a checkpoint."""
-    name = os.path.basename(os.path.normpath(model_path))
-    return re.sub(r"[.\-_](?:I?Q\d\w*|[Bb]?[Ff]16|[Ff]32)$", "", name.removesuffix(".gguf"))
+def engine_info(description) -> engine_pb2.GetEngineInfoResponse:
+    """GetEngineInfo from an EngineDescription (services.engine.engine_process.describe)."""
+    return engine_pb2.GetEngineInfoResponse(**description.fields)
