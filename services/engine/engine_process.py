@@ -11,6 +11,7 @@ import logging
 import multiprocessing as mp
 import os
 import re
+import signal
 from dataclasses import dataclass
 
 from services.engine.core.engine import EngineCore
@@ -119,6 +120,9 @@ class EngineProcess:
 def _child_main(conn, engine_kwargs: dict) -> None:
     """Load the model, describe it, then serve commands until told to stop or the parent goes away."""
     from services.engine.llm import LLM
+
+    # NOTE: Ctrl-C reaches the whole process group; the parent drains and then says "stop".
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     try:
         llm = LLM(**engine_kwargs)
