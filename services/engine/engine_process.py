@@ -9,11 +9,10 @@ model-less copy of the core, so bad input is refused before it reaches the pipe.
 
 import logging
 import multiprocessing as mp
-import os
-import re
 import signal
 from dataclasses import dataclass
 
+from services.common.default_model import model_display_name
 from services.engine.core.engine import EngineCore
 from services.engine.core.interfaces import EngineStats, RequestOutput
 from services.engine.core.sampling_params import SamplingParams
@@ -38,7 +37,7 @@ def describe(llm) -> EngineDescription:
 
     runner, config = llm.runner, llm.engine.config
     fields = dict(
-        model_name=model_name(runner.model_path), vocab_size=runner.vocab_size, max_model_len=config.max_model_len,
+        model_name=model_display_name(runner.model_path), vocab_size=runner.vocab_size, max_model_len=config.max_model_len,
         eos_token_ids=list(llm.eos_token_ids),
         tokenizer_fingerprint=tokenizer_fingerprint(llm.tokenizer) if llm.tokenizer is not None else "",
         block_size=config.block_size, num_total_blocks=config.num_kvcache_blocks, device=str(runner.device),
@@ -46,12 +45,6 @@ def describe(llm) -> EngineDescription:
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         enable_prefix_caching=config.enable_prefix_caching, tensor_parallel_size=llm.args.tensor_parallel_size)
     return EngineDescription(fields, config, list(llm.eos_token_ids), runner.vocab_size, llm.engine.stats())
-
-
-def model_name(model_path: str) -> str:
-    """"SmolLM2-135M-Instruct" for .../SmolLM2-135M-Instruct.Q4_1.gguf, the directory name for a checkpoint."""
-    name = os.path.basename(os.path.normpath(model_path))
-    return re.sub(r"[.\-_](?:I?Q\d\w*|[Bb]?[Ff]16|[Ff]32)$", "", name.removesuffix(".gguf"))
 
 
 class EngineProcess:

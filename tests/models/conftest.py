@@ -10,7 +10,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
-    from services.engine.default_model import default_model_path as locate
+    from services.common.default_model import default_model_path as locate
 
     return locate()
 

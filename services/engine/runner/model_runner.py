@@ -14,7 +14,7 @@ import torch
 
 from services.engine.config import EngineArgs
 from services.engine.core.interfaces import SchedulerOutput
-from services.engine.default_model import resolve_model_path
+from services.common.default_model import resolve_model_path
 from services.engine.distributed import parallel_state as tp
 from services.engine.distributed.sharding import check_tensor_parallel
 from services.engine.layers.attention_backends.select import get_backend, supports_cuda_graphs
