@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.hf_reference import load_hf_model  # noqa: E402
 from services.engine import LLM, SamplingParams  # noqa: E402
-from services.engine.cli_args import add_engine_args, engine_args_from  # noqa: E402
+from services.engine.serving.cli_args import add_engine_args, engine_args_from  # noqa: E402
 
 
 def ours_decode_ms(llm: LLM, prompt: list[int], new_tokens: int) -> float:

@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.engine import LLM, SamplingParams  # noqa: E402
-from services.engine.cli_args import add_engine_args, engine_args_from  # noqa: E402
+from services.engine.serving.cli_args import add_engine_args, engine_args_from  # noqa: E402
 
 
 def make_workload(args, vocab_size: int) -> list[tuple[list[int], int]]:

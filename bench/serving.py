@@ -35,7 +35,7 @@ from bench.serving_metrics import RequestRecord, Summary, final_report, percenti
 from llmserve.common.v1 import common_pb2  # noqa: E402
 from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 from llmserve.textgen.v1 import textgen_pb2, textgen_pb2_grpc  # noqa: E402
-from services.engine.cli_args import add_engine_args, engine_args_from  # noqa: E402
+from services.engine.serving.cli_args import add_engine_args, engine_args_from  # noqa: E402
 from services.engine.config import EngineArgs  # noqa: E402
 
 HOST = "127.0.0.1"

@@ -20,7 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 TEXTGEN_SERVICE = textgen_pb2.DESCRIPTOR.services_by_name["TextGenerationService"].full_name
-ENTRY_MODULES = {"engine": "services.engine.__main__", "tokenizer": "services.tokenizer.__main__"}
+ENTRY_MODULES = {"engine": "services.engine.serving.main", "tokenizer": "services.tokenizer.__main__"}
 PUBLIC_PORT = 50051
 _VARIABLE = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}|\$(\w+)")
 

@@ -21,13 +21,13 @@ from grpc_status import rpc_status
 from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc
 from services.common.errors import InvalidRequestError, QueueFullError
 from services.common.grpc_server import ServingState, build_server, status_for
-from services.engine.async_engine import AsyncEngine
+from services.engine.serving.async_engine import AsyncEngine
 from services.engine.core.config import SchedulerConfig
 from services.engine.core.engine import EngineCore
 from services.engine.core.interfaces import RequestOutput, SchedulerOutput
 from services.engine.core.sampling_params import SamplingParams
 from services.engine.core.sequence import FinishReason
-from services.engine.server import SERVICE_NAME, EngineServicer
+from services.engine.serving.server import SERVICE_NAME, EngineServicer
 
 BLOCK_SIZE = 4
 VOCAB_SIZE = 10_000

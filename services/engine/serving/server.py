@@ -9,8 +9,8 @@ from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc
 
 from services.common.errors import InvalidRequestError, UnavailableError
 from services.common.grpc_server import ServingState, request_id_var
-from services.engine.async_engine import AsyncEngine
-from services.engine.convert import (
+from services.engine.serving.async_engine import AsyncEngine
+from services.engine.serving.convert import (
     RequestClock, check_stop_token_ids, load_report, prompt_field_name, response_from_output, sampling_from_proto)
 from services.engine.core.sampling_params import SamplingParams
 
@@ -91,5 +91,5 @@ async def _chain(first, rest):
 
 
 def engine_info(description) -> engine_pb2.GetEngineInfoResponse:
-    """GetEngineInfo from an EngineDescription (services.engine.engine_process.describe)."""
+    """GetEngineInfo from an EngineDescription (services.engine.serving.engine_process.describe)."""
     return engine_pb2.GetEngineInfoResponse(**description.fields)
