@@ -176,12 +176,22 @@ def build_server(service_names: Iterable[str], state: ServingState,
 
 
 async def run_until_signalled(server: grpc.aio.Server, state: ServingState, grace_s: float,
-                              on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
-    """Serve until SIGINT/SIGTERM, then report NOT_SERVING, let streams finish for grace_s and stop."""
+                              on_stop: Callable[[], Awaitable[None]] | None = None,
+                              on_signal: Callable[[], None] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM, then report NOT_SERVING, let streams finish for grace_s and stop.
+
+    `on_signal` runs as soon as the signal arrives (e.g. to pass it on to worker processes).
+    """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def signalled() -> None:
+        if not stop.is_set() and on_signal is not None:
+            on_signal()
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, signalled)
     await stop.wait()
     logger.info("draining: health NOT_SERVING, grace %.1fs", grace_s)
     await state.mark_draining()

@@ -1,13 +1,17 @@
-"""AsyncEngine in-process: the real EngineCore on its thread with a fake runner whose steps the test releases.
+"""The streaming engine loop: CoreLoop (on a thread here, its own process in the service) and AsyncEngine fronts.
 
-Covers the waiting-queue limit (QueueFullError, and RESOURCE_EXHAUSTED with RetryInfo through the engine
-servicer), validation before anything streams, abort on leaving the iteration early, and concurrent consumers.
+The real EngineCore steps with a fake runner whose steps the test releases, behind real connections
+(multiprocessing pipes), as the service wires them. Covers the waiting-queue limit (QueueFullError, and
+RESOURCE_EXHAUSTED with RetryInfo through the engine servicer), validation before anything streams,
+abort on leaving the iteration early (KV freed within a step), coalescing of tokens a slow reader has not
+taken, a core that never waits for a reader, several fronts on one core, and a dead core.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing as mp
 import threading
 import time
 from collections import Counter
@@ -19,15 +23,16 @@ from google.rpc import code_pb2, error_details_pb2
 from grpc_status import rpc_status
 
 from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc
-from services.common.errors import InvalidRequestError, QueueFullError
+from services.common.errors import DuplicateRequestError, InvalidRequestError, QueueFullError, UnavailableError
 from services.common.grpc_server import ServingState, build_server, status_for
-from services.engine.serving.async_engine import AsyncEngine
 from services.engine.core.config import SchedulerConfig
 from services.engine.core.engine import EngineCore
 from services.engine.core.interfaces import RequestOutput, SchedulerOutput
 from services.engine.core.sampling_params import SamplingParams
 from services.engine.core.sequence import FinishReason
-from services.engine.serving.server import SERVICE_NAME, EngineServicer
+from services.engine.serving.async_engine import AsyncEngine
+from services.engine.serving.engine_process import CoreLoop, EngineDescription
+from services.engine.serving.server import SERVICE_NAME, EngineServicer, RequestValidator
 
 BLOCK_SIZE = 4
 VOCAB_SIZE = 10_000
@@ -42,6 +47,7 @@ class GatedRunner:
     def __init__(self, bases: dict[str, int] | None = None):
         self.bases = bases or {}
         self.num_samples: Counter[str] = Counter()
+        self.num_steps = 0
         self._permits = threading.Semaphore(0)
         self._open = threading.Event()
 
@@ -60,6 +66,7 @@ class GatedRunner:
     def execute(self, batch: SchedulerOutput) -> list[int | None]:
         if not self._open.is_set() and not self._permits.acquire(timeout=STEP_TIMEOUT_S):
             raise TimeoutError("the test released no step")
+        self.num_steps += 1
         sampled: list[int | None] = []
         for seq in batch.seqs:
             if seq.num_cached_tokens + seq.num_scheduled_tokens < seq.num_tokens:
@@ -70,11 +77,49 @@ class GatedRunner:
         return sampled
 
 
-def make_engine(runner: GatedRunner, max_waiting: int = 0, num_blocks: int = 8) -> AsyncEngine:
-    """An AsyncEngine over the real EngineCore, with the queue limit in both places, as the service wires it."""
-    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, block_size=BLOCK_SIZE,
-                             num_kvcache_blocks=num_blocks, max_waiting=max_waiting)
-    return AsyncEngine(EngineCore(config, runner, (EOS_ID,), VOCAB_SIZE), max_waiting=max_waiting)
+class Harness:
+    """A CoreLoop on a thread over the real EngineCore, with `num_fronts` AsyncEngine fronts connected to it."""
+
+    def __init__(self, runner: GatedRunner, max_waiting: int = 0, num_blocks: int = 8, num_fronts: int = 1,
+                 max_num_batched_tokens: int = 64):
+        config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens, max_model_len=64, block_size=BLOCK_SIZE,
+                                 num_kvcache_blocks=num_blocks, max_waiting=max_waiting)
+        self.runner = runner
+        self.core = EngineCore(config, runner, (EOS_ID,), VOCAB_SIZE)
+        self.description = EngineDescription({}, config, [EOS_ID], VOCAB_SIZE, num_blocks)
+        pairs = [mp.Pipe(duplex=True) for _ in range(num_fronts)]
+        self.core_ends = [core_end for _, core_end in pairs]
+        self.loop = CoreLoop(self.core, self.core_ends, self.description)
+        self.thread = threading.Thread(target=self.loop.run, name="core-loop", daemon=True)
+        self.thread.start()
+        self.lost: list[int] = []
+        self.fronts = [AsyncEngine.connect(front_end, on_core_lost=lambda i=i: self.lost.append(i), timeout_s=10)
+                       for i, (front_end, _) in enumerate(pairs)]
+
+    @property
+    def engine(self) -> AsyncEngine:
+        return self.fronts[0]
+
+    def start(self) -> None:
+        for front in self.fronts:
+            front.start()
+
+    async def close(self) -> None:
+        self.runner.open()
+        for front in self.fronts:
+            front.shutdown()
+        await asyncio.to_thread(self.thread.join, 10)
+        assert not self.thread.is_alive(), "the core loop did not end when every front hung up"
+
+
+@contextlib.asynccontextmanager
+async def harness(runner: GatedRunner, **kwargs):
+    h = Harness(runner, **kwargs)
+    h.start()
+    try:
+        yield h
+    finally:
+        await h.close()
 
 
 def prompt(num_tokens: int, start: int = 10) -> list[int]:
@@ -106,16 +151,6 @@ def run(scenario) -> None:
     asyncio.run(asyncio.wait_for(scenario, SCENARIO_TIMEOUT_S))
 
 
-@contextlib.asynccontextmanager
-async def started(engine: AsyncEngine, runner: GatedRunner):
-    engine.start()
-    try:
-        yield engine
-    finally:
-        runner.open()
-        await asyncio.to_thread(engine.shutdown)
-
-
 def tokens(outputs: list[RequestOutput]) -> list[int]:
     return [token_id for output in outputs for token_id in output.new_token_ids]
 
@@ -140,20 +175,29 @@ def assert_resource_exhausted_with_retry_info(status) -> None:
     assert retry.retry_delay.ToTimedelta().total_seconds() > 0
 
 
+async def refused_behind_a_chunked_prefill(h: Harness, second):
+    """Queue "a" (a 20-token prompt, prefilled 8 tokens a step), then try `second` while "a" still waits."""
+    first_task = asyncio.create_task(collect(h.engine.generate("a", prompt(20), greedy(3)), []))
+    await until(lambda: h.core.has_unfinished_requests(), "the first request to be queued")
+    second_task = asyncio.ensure_future(second())
+    await until(lambda: h.core_ends[0].poll(), "the second request to reach the core's connection")
+    h.runner.release(1)  # the core reads the second request once this first prefill chunk is done
+    with pytest.raises(Exception) as caught:
+        await second_task
+    return first_task, caught.value
+
+
 def test_second_request_is_refused_while_the_first_is_queued():
     async def scenario() -> None:
         runner = GatedRunner()
-        engine = make_engine(runner, max_waiting=1)
-        first = engine.generate("a", prompt(4), greedy(3))
-        first_task = asyncio.create_task(collect(first, []))
-        await until(lambda: engine.is_live("a"), "the first request to be queued")
-        with pytest.raises(QueueFullError) as caught:
-            await anext(engine.generate("b", prompt(4, 100), greedy(3)))
-        assert not engine.is_live("b")
-        status = status_for(caught.value)
-        assert_resource_exhausted_with_retry_info(status)
-        assert "waiting queue is full" in status.message
-        async with started(engine, runner):
+        async with harness(runner, max_waiting=1, max_num_batched_tokens=8) as h:
+            first_task, error = await refused_behind_a_chunked_prefill(
+                h, lambda: anext(h.engine.generate("b", prompt(4, 100), greedy(3))))
+            assert isinstance(error, QueueFullError)
+            assert not h.engine.is_live("b")
+            status = status_for(error)
+            assert_resource_exhausted_with_retry_info(status)
+            assert "waiting queue is full" in status.message
             runner.open()
             assert_finished_by_length(runner, "a", await first_task, 3)
         assert runner.num_samples["b"] == 0
@@ -161,68 +205,79 @@ def test_second_request_is_refused_while_the_first_is_queued():
     run(scenario())
 
 
-def test_queue_limit_counts_sequences_waiting_for_kv_blocks():
-    async def scenario() -> None:
-        runner = GatedRunner({"a": 1000, "b": 2000})
-        engine = make_engine(runner, max_waiting=1, num_blocks=8)
-        async with started(engine, runner):
-            a_outputs: list[RequestOutput] = []
-            # 21 prompt tokens take 6 of the 8 blocks; with 12 tokens to generate "a" grows into all 8.
-            a_task = asyncio.create_task(collect(engine.generate("a", prompt(21), greedy(12)), a_outputs))
-            runner.release(2)
-            await until(lambda: len(a_outputs) == 2, "two tokens of a")
-            b_outputs: list[RequestOutput] = []
-            b_task = asyncio.create_task(collect(engine.generate("b", prompt(12, 300), greedy(2)), b_outputs))
-            await until(lambda: engine.is_live("b"), "b to be accepted")
-            runner.release(2)  # two steps refresh the engine's figures with b waiting for blocks
-            await until(lambda: len(a_outputs) == 4 and engine.stats().num_waiting == 1, "b to wait for blocks")
-            assert b_outputs == [] and engine.stats().num_running == 1
-            with pytest.raises(QueueFullError):
-                await anext(engine.generate("c", prompt(4, 600), greedy(2)))
-            assert not engine.is_live("c")
-            runner.open()
-            assert_finished_by_length(runner, "a", await a_task, 12)
-            assert_finished_by_length(runner, "b", await b_task, 2)
-            await until(lambda: is_idle(engine), "every block to be free")
-        assert runner.num_samples["c"] == 0
-
-    run(scenario())
-
-
 def test_validation_error_comes_before_anything_streams():
     async def scenario() -> None:
         runner = GatedRunner()
-        engine = make_engine(runner)
-        async with started(engine, runner):
+        async with harness(runner) as h:
+            validator = RequestValidator(h.description)
             cases = [(prompt(3, VOCAB_SIZE - 1), greedy(2), "prompt.token_ids"), ([], greedy(2), "prompt"),
                      (prompt(60), greedy(5), "max_tokens")]
             for prompt_ids, sampling, field in cases:
-                stream = engine.generate("bad", prompt_ids, sampling)
                 with pytest.raises(InvalidRequestError) as caught:
-                    await anext(stream)
+                    validator.validate_request(prompt_ids, sampling)
                 assert caught.value.field == field
-                assert not engine.is_live("bad") and not engine.core.has_unfinished_requests()
-            assert runner.num_samples == Counter()
+            assert runner.num_samples == Counter() and not h.core.has_unfinished_requests()
 
     run(scenario())
 
 
-def test_leaving_the_iteration_early_aborts_and_frees_blocks():
+def test_leaving_the_iteration_early_aborts_and_frees_blocks_within_a_step():
     async def scenario() -> None:
         runner = GatedRunner()
-        engine = make_engine(runner, num_blocks=16)
-        async with started(engine, runner):
+        async with harness(runner, num_blocks=16) as h:
             runner.release(1)
-            stream = engine.generate("a", prompt(4), greedy(40))
+            stream = h.engine.generate("a", prompt(4), greedy(40))
             async with contextlib.aclosing(stream):
                 async for output in stream:
                     assert output.new_token_ids == [runner.token("a", 0)]
                     break
-            assert not engine.is_live("a")
+            assert not h.engine.is_live("a")
+            await until(lambda: h.core_ends[0].poll() or h.core.stats().num_used_blocks == 0,
+                        "the abort to reach the core")
+            steps_at_cancel = runner.num_steps
             runner.open()
-            await until(lambda: not engine.core.has_unfinished_requests() and is_idle(engine),
+            await until(lambda: not h.core.has_unfinished_requests() and is_idle(h.engine),
                         "the aborted request's blocks to be free")
-        assert runner.num_samples["a"] <= 2, "the request ran on instead of being aborted"
+            assert runner.num_steps - steps_at_cancel <= 1, "the request ran on instead of being aborted"
+            assert h.engine.num_finished_requests == 1
+
+    run(scenario())
+
+
+def test_a_slow_reader_gets_every_pending_token_in_one_output():
+    async def scenario() -> None:
+        runner = GatedRunner()
+        async with harness(runner, num_blocks=16) as h:
+            stream = h.engine.generate("a", prompt(4), greedy(6))
+            runner.release(1)
+            first = await anext(stream)
+            assert first.new_token_ids == [runner.token("a", 0)]
+            runner.release(3)
+            await until(lambda: h.engine.stats().num_generated_tokens == 4, "three more steps")
+            second = await anext(stream)
+            assert second.new_token_ids == [runner.token("a", i) for i in (1, 2, 3)]
+            assert second.num_completion_tokens == 4 and second.finish_reason is None
+            runner.release(2)
+            last = await anext(stream)
+            while last.finish_reason is None:
+                last = await anext(stream)
+            assert last.finish_reason == FinishReason.LENGTH and last.num_completion_tokens == 6
+
+    run(scenario())
+
+
+def test_the_core_steps_on_without_waiting_for_any_reader():
+    async def scenario() -> None:
+        runner = GatedRunner()
+        async with harness(runner, num_blocks=32) as h:
+            streams = [h.engine.generate(f"r{i}", prompt(4, 100 * i), greedy(5)) for i in range(3)]
+            first_items = [asyncio.ensure_future(anext(stream)) for stream in streams]
+            runner.open()
+            await until(lambda: h.engine.num_finished_requests == 3, "every request to finish in the core")
+            for request_index, (stream, first) in enumerate(zip(streams, first_items)):
+                outputs = [await first] + [output async for output in stream]
+                assert_finished_by_length(runner, f"r{request_index}", outputs, 5)
+                assert len(outputs) <= 2, "the reader fell behind, so its tokens should have come coalesced"
 
     run(scenario())
 
@@ -231,10 +286,9 @@ def test_outputs_reach_their_own_concurrent_consumers():
     async def scenario() -> None:
         request_ids = [f"r{i}" for i in range(6)]
         runner = GatedRunner({request_id: 1000 * (i + 1) for i, request_id in enumerate(request_ids)})
-        engine = make_engine(runner, num_blocks=32)
         runner.open()
-        async with started(engine, runner):
-            streams = [collect(engine.generate(request_id, prompt(3 + i, 50 * i), greedy(2 + i)), [])
+        async with harness(runner, num_blocks=32) as h:
+            streams = [collect(h.engine.generate(request_id, prompt(3 + i, 50 * i), greedy(2 + i)), [])
                        for i, request_id in enumerate(request_ids)]
             results = await asyncio.gather(*streams)
         for i, (request_id, outputs) in enumerate(zip(request_ids, results)):
@@ -244,33 +298,113 @@ def test_outputs_reach_their_own_concurrent_consumers():
     run(scenario())
 
 
+async def between_steps(h: Harness, awaitable, max_steps: int = 20):
+    """Await something the core answers between steps, releasing one step at a time until it is answered."""
+    task = asyncio.ensure_future(awaitable)
+    for _ in range(max_steps):
+        done, _ = await asyncio.wait({task}, timeout=0.05)
+        if done:
+            return task.result()
+        h.runner.release(1)
+    return await asyncio.wait_for(task, STEP_TIMEOUT_S)
+
+
+def test_two_fronts_share_one_core_and_abort_each_others_requests():
+    async def scenario() -> None:
+        runner = GatedRunner({"a": 1000, "b": 2000})
+        async with harness(runner, num_blocks=32, num_fronts=2) as h:
+            front_a, front_b = h.fronts
+            a_stream = front_a.generate("a", prompt(4), greedy(30))
+            b_task = asyncio.create_task(collect(front_b.generate("b", prompt(4, 300), greedy(3)), []))
+            first_a = await between_steps(h, anext(a_stream))
+            assert first_a.new_token_ids == [runner.token("a", 0)]
+            with pytest.raises(DuplicateRequestError):
+                await between_steps(h, anext(front_b.generate("a", prompt(4, 600), greedy(2))))
+            assert await between_steps(h, front_b.abort_any(["a", "nobody"])) == ["a"]
+            runner.open()
+            rest = [output async for output in a_stream]
+            assert rest[-1].finish_reason == FinishReason.ABORTED
+            assert_finished_by_length(runner, "b", await b_task, 3)
+            await until(lambda: is_idle(front_a) and is_idle(front_b), "both fronts to see every block free")
+
+    run(scenario())
+
+
+def test_a_front_that_hangs_up_has_its_requests_aborted():
+    async def scenario() -> None:
+        runner = GatedRunner()
+        async with harness(runner, num_blocks=32, num_fronts=2) as h:
+            leaving, staying = h.fronts
+            runner.release(1)
+            stream = leaving.generate("a", prompt(4), greedy(30))
+            await anext(stream)
+            leaving.shutdown()
+            runner.open()
+            await until(lambda: not h.core.has_unfinished_requests(), "the core to drop the request")
+            assert h.core.stats().num_used_blocks == 0
+            assert runner.num_samples["a"] <= 2, "the request ran on after its front hung up"
+            outputs = await collect(staying.generate("b", prompt(4, 300), greedy(2)), [])
+            assert_finished_by_length(runner, "b", outputs, 2)
+            await stream.aclose()
+
+    run(scenario())
+
+
+def test_a_dead_core_fails_every_stream_unavailable_and_says_so():
+    async def scenario() -> None:
+        runner = GatedRunner()
+        h = Harness(runner, num_blocks=32)
+        h.start()
+        runner.release(1)
+        stream = h.engine.generate("a", prompt(4), greedy(30))
+        await anext(stream)
+        waiting = asyncio.ensure_future(anext(stream))
+        h.loop._open.clear()  # the loop thread leaves at its next look; closing its end is what a death looks like
+        for core_end in h.core_ends:
+            core_end.close()
+        with pytest.raises(UnavailableError):
+            await waiting
+        assert h.lost == [0] and h.engine.core_lost
+        with pytest.raises(UnavailableError):
+            await anext(h.engine.generate("b", prompt(4), greedy(2)))
+        runner.open()
+        await asyncio.to_thread(h.thread.join, 10)
+        h.engine.shutdown()
+
+    run(scenario())
+
+
 def test_engine_servicer_answers_resource_exhausted_with_retry_info():
     async def scenario() -> None:
         runner = GatedRunner()
-        engine = make_engine(runner, max_waiting=1)
-        info = engine_pb2.GetEngineInfoResponse(vocab_size=VOCAB_SIZE, max_model_len=64, eos_token_ids=[EOS_ID])
-        state = ServingState(SERVICE_NAME)
-        servicer = EngineServicer(engine, info, state)
-        server = build_server([SERVICE_NAME], state, servicer.register)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = engine_pb2_grpc.EngineServiceStub(channel)
-                first = stub.Generate(engine_pb2.GenerateRequest(request_id="a", prompt_token_ids=prompt(4),
-                                                                 sampling={"temperature": 0, "max_tokens": 3}))
-                await until(lambda: engine.is_live("a"), "the first request to be queued")
-                second = stub.Generate(engine_pb2.GenerateRequest(request_id="b", prompt_token_ids=prompt(4),
-                                                                  sampling={"temperature": 0, "max_tokens": 3}))
-                with pytest.raises(grpc.aio.AioRpcError) as caught:
-                    await second.read()
-                assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                assert_resource_exhausted_with_retry_info(rpc_status.from_call(caught.value))
-                async with started(engine, runner):
+        async with harness(runner, max_waiting=1, max_num_batched_tokens=8) as h:
+            info = engine_pb2.GetEngineInfoResponse(vocab_size=VOCAB_SIZE, max_model_len=64, eos_token_ids=[EOS_ID])
+            state = ServingState(SERVICE_NAME)
+            servicer = EngineServicer(h.engine, info, state, RequestValidator(h.description))
+            server = build_server([SERVICE_NAME], state, servicer.register)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            try:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    stub = engine_pb2_grpc.EngineServiceStub(channel)
+                    first = stub.Generate(engine_pb2.GenerateRequest(request_id="a", prompt_token_ids=prompt(20),
+                                                                     sampling={"temperature": 0, "max_tokens": 3}))
+                    await until(lambda: h.core.has_unfinished_requests(), "the first request to be queued")
+                    second = stub.Generate(engine_pb2.GenerateRequest(request_id="b", prompt_token_ids=prompt(4),
+                                                                      sampling={"temperature": 0, "max_tokens": 3}))
+                    second_read = asyncio.ensure_future(second.read())
+                    await until(lambda: h.core_ends[0].poll(), "the second request to reach the core's connection")
+                    runner.release(1)
+                    with pytest.raises(grpc.aio.AioRpcError) as caught:
+                        await second_read
+                    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    assert_resource_exhausted_with_retry_info(rpc_status.from_call(caught.value))
                     runner.open()
                     responses = [response async for response in first]
-                assert [token for r in responses for token in r.token_ids] == [runner.token("a", i) for i in range(3)]
-        finally:
-            await server.stop(None)
+                    assert [t for r in responses for t in r.token_ids] == [runner.token("a", i) for i in range(3)]
+                    load = await stub.GetLoad(engine_pb2.GetLoadRequest())
+                    assert load.num_finished_requests == 1 and load.num_generated_tokens == 3
+            finally:
+                await server.stop(None)
 
     run(scenario())

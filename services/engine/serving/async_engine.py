@@ -1,208 +1,255 @@
-"""Runs the engine core on a dedicated thread and bridges it to asyncio callers.
+"""A front's view of the engine-core process: asyncio streams over one connection, coalesced per reader.
 
-The model step never runs on the event loop: the engine thread owns the EngineCore, takes add/abort
-commands from a thread-safe queue between steps, and hands each step's outputs to the per-request
-asyncio queues with `loop.call_soon_threadsafe`. No torch or grpc here.
+Commands go out through a writer thread (a send may block while the core is mid-step; the event loop
+never does). Outputs come in on the event loop itself (`add_reader` on the connection): each step's
+message is one wake-up that appends every token to its stream's pending list and wakes that stream's
+reader if it sleeps. A reader takes everything pending at once, so a client that reads slower than the
+engine steps gets several tokens per message instead of falling further behind. No torch or grpc here.
 """
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
-from services.common.errors import DuplicateRequestError, QueueFullError, UnavailableError
-from services.engine.core.engine import EngineCore
+from services.common.errors import DuplicateRequestError, UnavailableError
 from services.engine.core.interfaces import EngineStats, RequestOutput
 from services.engine.core.sampling_params import SamplingParams
+from services.engine.core.sequence import FinishReason
+from services.engine.serving.messages import (
+    NO_TOKEN, AbortAnswer, AbortQuery, AbortRequests, AddRejected, AddRequest, EngineReady, StepOutputs, decode,
+    encode)
 
 logger = logging.getLogger(__name__)
+_STOP_WRITER = object()
 
 
-@dataclass(slots=True)
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    arrival_time: float
-
-
-@dataclass(slots=True)
-class _Abort:
-    request_id: str
-
-
-@dataclass(slots=True)
 class _Stream:
-    loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue
+    """One request's outputs not yet taken by its reader."""
 
+    __slots__ = ("request_id", "num_prompt_tokens", "pending", "num_cached_tokens", "num_completion_tokens",
+                 "finished", "error", "waiter")
 
-_STOP = object()
-HANDOFF_WAIT_S = 0.05
+    def __init__(self, request_id: str, num_prompt_tokens: int):
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.pending: list[int] = []
+        self.num_cached_tokens = 0
+        self.num_completion_tokens = 0
+        self.finished = None  # FinishedRequest once the core says so
+        self.error: BaseException | None = None
+        self.waiter: asyncio.Future | None = None
 
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
-def _put_all(loop: asyncio.AbstractEventLoop, items: list, relayed: threading.Event) -> None:
-    for outputs, item in items:
-        outputs.put_nowait(item)
-    loop.call_soon(relayed.set)  # after the consumers just woken have run
+    def take(self) -> RequestOutput:
+        ids, self.pending = self.pending, []
+        self.num_completion_tokens += len(ids)
+        finished = self.finished
+        if finished is None:
+            return RequestOutput(self.request_id, ids, None, self.num_prompt_tokens, self.num_completion_tokens,
+                                 self.num_cached_tokens)
+        return RequestOutput(self.request_id, ids, FinishReason(finished.finish_reason), finished.num_prompt_tokens,
+                             finished.num_completion_tokens, finished.num_cached_tokens,
+                             finished.matched_stop_token_id)
 
 
 class AsyncEngine:
-    """Thread-backed engine: `generate` streams RequestOutputs; `abort` is idempotent."""
+    """Streams RequestOutputs of the engine-core process to asyncio callers; `abort` is idempotent.
 
-    def __init__(self, core: EngineCore, max_waiting: int = 0):
-        self._core = core
-        self._max_waiting = max_waiting
+    `on_core_lost` is called once (on the event loop) if the core's connection closes while this front
+    still wants it: every open stream has already failed with UnavailableError by then.
+    """
+
+    def __init__(self, connection, description, on_core_lost=None):
+        self._connection = connection
+        self.description = description
+        self._on_core_lost = on_core_lost
+        self._streams: dict[int, _Stream] = {}
+        self._handles: dict[str, int] = {}
+        self._next_handle = itertools.count()
+        self._queries: dict[int, asyncio.Future] = {}
+        self._next_query = itertools.count()
+        self._stats = EngineStats(0, 0, 0, description.num_total_blocks, description.num_total_blocks, 0, 0, 0, 0)
+        self.num_finished_requests = 0
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
-        self._lock = threading.Lock()
-        self._num_queued_adds = 0
-        self._stats = core.stats()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._writer = threading.Thread(target=self._write_commands, name="engine-core-writer", daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
+        self.core_lost = False
+
+    @classmethod
+    def connect(cls, connection, on_core_lost=None, timeout_s: float | None = None) -> "AsyncEngine":
+        """Wait (blocking) for the core's EngineReady on this connection; raise its start-up error, if any."""
+        if timeout_s is not None and not connection.poll(timeout_s):
+            raise RuntimeError("the engine core did not start in time")
+        try:
+            ready = decode(connection.recv_bytes())
+        except EOFError:
+            raise RuntimeError("the engine core process died while starting") from None
+        assert isinstance(ready, EngineReady)
+        if isinstance(ready.description, BaseException):
+            raise ready.description
+        return cls(connection, ready.description, on_core_lost)
 
     def start(self) -> None:
-        self._thread.start()
+        """Start relaying; call on the event loop that will consume the streams."""
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._connection.fileno(), self._on_readable)
+        self._writer.start()
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
+    def shutdown(self) -> None:
+        """Stop relaying and hang up: the core aborts whatever this front still had in flight."""
+        if self._stopped:
+            return
         self._stopped = True
-        self._commands.put(_STOP)
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
-
-    @property
-    def core(self) -> EngineCore:
-        return self._core
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._connection.fileno())
+        self._commands.put(_STOP_WRITER)
+        if self._writer.is_alive():
+            self._writer.join(5.0)
+        self._connection.close()
 
     def stats(self) -> EngineStats:
-        """The figures as of the end of the last step (a snapshot; safe from any thread)."""
+        """The engine's figures as of the last step this front heard of."""
         return self._stats
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its outputs step by step, the last one carrying the finish reason.
+        """Submit a request and yield its outputs, each with every token produced since the previous one.
 
-        Validation errors are raised before anything is yielded. Leaving the iteration early (cancel,
-        deadline, disconnect) aborts the request, which frees its KV blocks before the next step.
+        Errors the core raises on admission (full queue, duplicate id) come before anything is yielded;
+        validate beforehand for field errors. Leaving the iteration early (cancel, deadline, disconnect)
+        aborts the request, which frees its KV blocks before the core's next step.
         """
-        if self._stopped:
-            raise UnavailableError("engine is shutting down")
-        self._core.validate_request(prompt_token_ids, sampling)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._register(request_id, stream)
-        self._commands.put(_Add(request_id, list(prompt_token_ids), sampling, time.monotonic()))
+        if self._stopped or self.core_lost:
+            raise UnavailableError("engine is not available")
+        if request_id in self._handles:
+            raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
+        handle = next(self._next_handle)
+        stream = _Stream(request_id, len(prompt_token_ids))
+        self._streams[handle] = stream
+        self._handles[request_id] = handle
+        self._commands.put(AddRequest(handle, request_id, prompt_token_ids, sampling, time.monotonic()))
         finished = False
         try:
-            while not finished:
-                item = await stream.outputs.get()
-                if isinstance(item, BaseException):
+            while True:
+                if not stream.pending and stream.finished is None and stream.error is None:
+                    stream.waiter = self._loop.create_future()
+                    await stream.waiter
+                if stream.error is not None:
                     finished = True
-                    raise item
-                finished = item.finished
-                yield item
+                    raise stream.error
+                output = stream.take()
+                finished = output.finish_reason is not None
+                yield output
+                if finished:
+                    return
         finally:
-            with self._lock:
-                self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+            self._streams.pop(handle, None)
+            self._handles.pop(request_id, None)
+            if not finished and not self.core_lost:
+                self._commands.put(AbortRequests([request_id]))
 
     def is_live(self, request_id: str) -> bool:
-        """Whether a stream for this request is open."""
-        with self._lock:
-            return request_id in self._streams
+        """Whether this front has a stream open for the request."""
+        return request_id in self._handles
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+        self._commands.put(AbortRequests([request_id]))
 
-    def _register(self, request_id: str, stream: _Stream) -> None:
-        with self._lock:
-            if request_id in self._streams:
-                raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
-            num_waiting = self._stats.num_waiting + self._num_queued_adds
-            if self._max_waiting and num_waiting >= self._max_waiting:
-                raise QueueFullError(f"waiting queue is full ({self._max_waiting} requests)")
-            self._streams[request_id] = stream
-            self._num_queued_adds += 1
-
-    # ---- engine thread ----
-
-    def _run(self) -> None:
-        while not self._stopped:
-            has_work = self._core.has_unfinished_requests()
-            if not self._apply_commands(block=not has_work):
-                break
-            if self._core.has_unfinished_requests():
-                self._step()
-            self._stats = self._core.stats()
-
-    def _apply_commands(self, block: bool) -> bool:
-        """Apply queued adds/aborts; wait for one when idle. False when asked to stop."""
+    async def abort_any(self, request_ids: list[str]) -> list[str]:
+        """Abort these ids on whichever front they run; return the ones that were live."""
+        if self.core_lost:
+            raise UnavailableError("engine is not available")
+        query_id = next(self._next_query)
+        answer = self._queries[query_id] = self._loop.create_future()
+        self._commands.put(AbortQuery(query_id, list(request_ids)))
         try:
-            command = self._commands.get(block=block)
-        except queue.Empty:
-            return True
+            return await answer
+        finally:
+            self._queries.pop(query_id, None)
+
+    # ---- the core's messages, on the event loop ----
+
+    def _on_readable(self) -> None:
+        try:
+            while self._connection.poll():
+                self._dispatch(decode(self._connection.recv_bytes()))
+        except (EOFError, OSError):
+            self._lose_core()
+
+    def _dispatch(self, message) -> None:
+        if isinstance(message, StepOutputs):
+            self._deliver_step(message)
+        elif isinstance(message, AddRejected):
+            stream = self._streams.get(message.handle)
+            if stream is not None:
+                stream.error = message.error
+                stream.wake()
+        elif isinstance(message, AbortAnswer):
+            answer = self._queries.get(message.query_id)
+            if answer is not None and not answer.done():
+                answer.set_result(message.aborted_request_ids)
+
+    def _deliver_step(self, message: StepOutputs) -> None:
+        self._stats = message.stats
+        self.num_finished_requests = message.num_finished_requests
+        streams = self._streams
+        for handle, token_id, num_cached in zip(message.handles, message.token_ids, message.num_cached_tokens):
+            stream = streams.get(handle)
+            if stream is None:
+                continue
+            if token_id != NO_TOKEN:
+                stream.pending.append(token_id)
+            stream.num_cached_tokens = num_cached
+            stream.wake()
+        for finished in message.finished:
+            stream = streams.get(finished.handle)
+            if stream is not None:
+                stream.finished = finished
+                stream.wake()
+
+    def _lose_core(self) -> None:
+        if self.core_lost or self._stopped:
+            return
+        self.core_lost = True
+        self._loop.remove_reader(self._connection.fileno())
+        logger.error("the engine core process is gone; failing %d streams", len(self._streams))
+        error = UnavailableError("the engine core process died")
+        for stream in self._streams.values():
+            stream.error = error
+            stream.wake()
+        for answer in self._queries.values():
+            if not answer.done():
+                answer.set_exception(error)
+        if self._on_core_lost is not None:
+            self._on_core_lost()
+
+    # ---- writer thread ----
+
+    def _write_commands(self) -> None:
         while True:
-            if command is _STOP:
-                return False
-            self._apply(command)
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return True
-
-    def _apply(self, command: _Add | _Abort) -> None:
-        if isinstance(command, _Abort):
-            self._core.abort_request(command.request_id)
-            return
-        with self._lock:
-            self._num_queued_adds -= 1
-            live = command.request_id in self._streams
-        if not live:
-            return
-        try:
-            self._core.add_request(command.request_id, command.prompt_token_ids, command.sampling,
-                                   command.arrival_time)
-        except Exception as exc:
-            self._deliver(command.request_id, exc)
-
-    def _step(self) -> None:
-        try:
-            outputs = self._core.step()
-        except Exception as exc:
-            logger.exception("engine step failed; failing every request in flight")
-            self._fail_all(exc)
-            return
-        self._deliver_step(outputs)
-
-    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """Hand a step's outputs to their event loops in one wake-up each, then give the loop a moment.
-
-        NOTE: on a small CPU the gRPC work of a step competes with the next step's matmul threads; letting
-        the loop relay the step's messages first (bounded by HANDOFF_WAIT_S) costs less than the contention.
-        """
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
-        with self._lock:
-            for output in outputs:
-                stream = self._streams.get(output.request_id)
-                if stream is not None:
-                    batches.setdefault(stream.loop, []).append((stream.outputs, output))
-        for loop, items in batches.items():
-            relayed = threading.Event()
-            loop.call_soon_threadsafe(_put_all, loop, items, relayed)
-            relayed.wait(HANDOFF_WAIT_S)
-
-    def _fail_all(self, exc: Exception) -> None:
-        with self._lock:
-            request_ids = list(self._streams)
-        for request_id in request_ids:
-            self._core.abort_request(request_id)
-            self._deliver(request_id, exc)
-
-    def _deliver(self, request_id: str, item) -> None:
-        with self._lock:
-            stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
+            commands = [self._commands.get()]
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            stop = _STOP_WRITER in commands
+            commands = [command for command in commands if command is not _STOP_WRITER]
+            if commands:
+                try:
+                    self._connection.send_bytes(encode(commands))
+                except OSError:
+                    return  # the reader side notices the closed connection and fails the streams
+            if stop:
+                return

@@ -1,34 +1,41 @@
-"""The engine core in a child process, behind EngineCore's interface.
+"""The engine core's own process: a continuous step loop fed and drained through one connection per front.
 
-The engine thread of the service would otherwise share one interpreter lock with the gRPC event loop:
-every torch op hands the lock back and forth, and a busy loop delays each hand-back. Here the model
-steps in its own process; the parent's engine thread only sends commands and receives each step's
-outputs over a pipe (plain dataclasses, pickled). Requests are validated in the parent against a
-model-less copy of the core, so bad input is refused before it reaches the pipe.
+The loop, vLLM v1's EngineCore in spirit: take every command that arrived (adds, aborts), step, and send
+each front the outputs of its own requests, at once, with no handshake; sleep on the connections only
+when there is nothing to step. The fronts (gRPC processes) never wait for a step and the core never
+waits for a relay. Nothing here imports grpc.
 """
 
 import logging
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+import os
 import signal
+import time
+from array import array
 from dataclasses import dataclass
 
 from services.common.default_model import model_display_name
 from services.engine.core.engine import EngineCore
-from services.engine.core.interfaces import EngineStats, RequestOutput
-from services.engine.core.sampling_params import SamplingParams
+from services.engine.core.interfaces import RequestOutput
+from services.engine.serving.messages import (
+    NO_TOKEN, AbortAnswer, AbortQuery, AbortRequests, AddRejected, AddRequest, EngineReady, FinishedRequest,
+    StepOutputs, decode, encode)
 
 logger = logging.getLogger(__name__)
+IDLE_POLL_S = 1.0  # while idle, how often the loop looks up from its connections (to notice a dead parent)
+STATS_ONLY_INTERVAL_S = 0.05  # how often a front with no outputs still hears the engine's figures while busy
 
 
 @dataclass(slots=True)
 class EngineDescription:
-    """What GetEngineInfo reports, computed where the model is loaded."""
+    """What GetEngineInfo reports and what fronts need to validate requests, computed where the model is."""
 
     fields: dict
     scheduler_config: object
     eos_token_ids: list[int]
     vocab_size: int
-    stats: EngineStats
+    num_total_blocks: int
 
 
 def describe(llm) -> EngineDescription:
@@ -44,96 +51,161 @@ def describe(llm) -> EngineDescription:
         dtype=str(runner.dtype).removeprefix("torch."), architecture=runner.model_config.architecture,
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         enable_prefix_caching=config.enable_prefix_caching, tensor_parallel_size=llm.args.tensor_parallel_size)
-    return EngineDescription(fields, config, list(llm.eos_token_ids), runner.vocab_size, llm.engine.stats())
+    return EngineDescription(fields, config, list(llm.eos_token_ids), runner.vocab_size,
+                             llm.engine.scheduler.block_manager.num_total_blocks)
 
 
-class EngineProcess:
-    """EngineCore's interface (add/abort/step/stats/validate) over an EngineCore living in a child process."""
+class CoreLoop:
+    """Steps an EngineCore continuously for several fronts, each behind one duplex connection.
 
-    def __init__(self, engine_kwargs: dict):
-        context = mp.get_context("spawn")
-        self._conn, child_conn = context.Pipe()
-        self._process = context.Process(target=_child_main, args=(child_conn, engine_kwargs),
-                                        name="llmserve-engine-core", daemon=True)
-        self._process.start()
-        child_conn.close()
-        self.description: EngineDescription = self._reply()
-        self._validator = EngineCore(self.description.scheduler_config, runner=None,
-                                     eos_token_ids=self.description.eos_token_ids,
-                                     vocab_size=self.description.vocab_size)
-        self.config = self.description.scheduler_config
-        self._stats = self.description.stats
-        self._has_unfinished = False
+    Runs in the engine-core process (`run_engine_core`), or on a thread in tests (with a fake runner).
+    Ends when every front has hung up or asked nothing more for good (its connection closed).
+    """
 
-    def validate_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        self._validator.validate_request(prompt_token_ids, sampling)
+    def __init__(self, core: EngineCore, connections: list, description: EngineDescription):
+        self.core = core
+        self.connections = list(connections)
+        self.description = description
+        self._routes: dict[str, tuple[int, int]] = {}  # request id -> (front index, handle)
+        self._open = set(range(len(self.connections)))
+        self._num_finished_requests = 0
+        self._last_stats_sent = [0.0] * len(self.connections)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    arrival_time: float | None = None) -> None:
-        self._call("add", request_id, prompt_token_ids, sampling, arrival_time)
+    def run(self) -> None:
+        ready = encode(EngineReady(self.description))
+        for front in list(self._open):
+            self._send(front, ready)
+        while self._open:
+            self._take_commands(block=not self.core.has_unfinished_requests())
+            if self.core.has_unfinished_requests():
+                self._publish(self.core.step())
 
-    def abort_request(self, request_id: str) -> bool:
-        return self._call("abort", request_id)
+    # ---- commands in ----
 
-    def step(self) -> list[RequestOutput]:
-        return self._call("step")
-
-    def has_unfinished_requests(self) -> bool:
-        return self._has_unfinished
-
-    def stats(self) -> EngineStats:
-        return self._stats
-
-    def close(self) -> None:
-        if self._process.is_alive():
+    def _take_commands(self, block: bool) -> None:
+        connections = [self.connections[front] for front in self._open]
+        ready = mp_connection.wait(connections, timeout=IDLE_POLL_S if block else 0)
+        for connection in ready:
+            front = self.connections.index(connection)
             try:
-                self._conn.send(("stop",))
-            except OSError:
-                pass
-            self._process.join(10)
-        if self._process.is_alive():
-            self._process.kill()
+                while connection.poll():
+                    for command in decode(connection.recv_bytes()):
+                        self._apply(front, command)
+            except (EOFError, OSError):
+                self._hang_up(front)
 
-    def _call(self, *command):
-        self._conn.send(command)
-        return self._reply()
+    def _apply(self, front: int, command) -> None:
+        if isinstance(command, AddRequest):
+            self._add(front, command)
+        elif isinstance(command, AbortRequests):
+            for request_id in command.request_ids:
+                self._abort(request_id, front)
+        elif isinstance(command, AbortQuery):
+            aborted = [request_id for request_id in command.request_ids if self._abort(request_id)]
+            self._send(front, encode(AbortAnswer(command.query_id, aborted)))
 
-    def _reply(self):
+    def _add(self, front: int, command: AddRequest) -> None:
         try:
-            kind, value, stats, has_unfinished = self._conn.recv()
-        except EOFError:
-            raise RuntimeError("the engine core process died") from None
-        if stats is not None:
-            self._stats, self._has_unfinished = stats, has_unfinished
-        if kind == "error":
-            raise value
-        return value
+            self.core.add_request(command.request_id, command.prompt_token_ids, command.sampling,
+                                  command.arrival_time)
+        except Exception as exc:  # noqa: BLE001 - typed engine errors go back to the front that asked
+            self._send(front, encode(AddRejected(command.handle, exc)))
+            return
+        self._routes[command.request_id] = (front, command.handle)
+
+    def _abort(self, request_id: str, only_front: int | None = None) -> bool:
+        route = self._routes.get(request_id)
+        if route is None or (only_front is not None and route[0] != only_front):
+            return False
+        return self.core.abort_request(request_id)
+
+    def _hang_up(self, front: int) -> None:
+        """A front went away: abort whatever it had in flight; its outputs have nowhere to go."""
+        self._open.discard(front)
+        for request_id, (owner, _) in list(self._routes.items()):
+            if owner == front:
+                self.core.abort_request(request_id)
+
+    # ---- outputs out ----
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        per_front: dict[int, tuple[array, array, array, list]] = {}
+        routes = self._routes
+        for output in outputs:
+            route = routes.get(output.request_id)
+            if route is None:
+                continue
+            front, handle = route
+            batch = per_front.get(front)
+            if batch is None:
+                batch = per_front[front] = (array("q"), array("q"), array("q"), [])
+            batch[0].append(handle)
+            batch[1].append(output.new_token_ids[-1] if output.new_token_ids else NO_TOKEN)
+            batch[2].append(output.num_cached_tokens)
+            if output.finish_reason is not None:
+                del routes[output.request_id]
+                self._num_finished_requests += 1
+                batch[3].append(FinishedRequest(handle, int(output.finish_reason), output.num_prompt_tokens,
+                                                output.num_completion_tokens, output.num_cached_tokens,
+                                                output.matched_stop_token_id))
+        stats = self.core.stats()
+        now = time.monotonic()
+        idle = not self.core.has_unfinished_requests()
+        for front in list(self._open):
+            batch = per_front.get(front)
+            if batch is None:
+                if not idle and now - self._last_stats_sent[front] < STATS_ONLY_INTERVAL_S:
+                    continue
+                batch = (array("q"), array("q"), array("q"), [])
+            self._last_stats_sent[front] = now
+            self._send(front, encode(StepOutputs(*batch, stats, self._num_finished_requests)))
+
+    def _send(self, front: int, data: bytes) -> None:
+        try:
+            self.connections[front].send_bytes(data)
+        except OSError:
+            self._hang_up(front)
 
 
-def _child_main(conn, engine_kwargs: dict) -> None:
-    """Load the model, describe it, then serve commands until told to stop or the parent goes away."""
+def run_engine_core(connections: list, engine_kwargs: dict, log_level: str = "INFO") -> None:
+    """Entry point of the engine-core process: load the model, then run the CoreLoop until every front is gone."""
     from services.engine.llm import LLM
 
-    # NOTE: Ctrl-C reaches the whole process group; the parent drains and then says "stop".
+    _die_with_parent()
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine-core] %(message)s")
+    # NOTE: Ctrl-C and a group-wide SIGTERM reach this process too; the fronts drain first, then hang up,
+    # which ends the loop. A SIGKILL (the out-of-memory killer) is seen by every front as a closed connection.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         llm = LLM(**engine_kwargs)
-        core = llm.engine
-        conn.send(("ok", describe(llm), core.stats(), False))
-    except BaseException as exc:  # noqa: BLE001 - the parent re-raises it
-        conn.send(("error", RuntimeError(f"engine failed to start: {exc!r}"), None, False))
+    except BaseException as exc:  # noqa: BLE001 - every front re-raises it
+        failure = encode(EngineReady(RuntimeError(f"engine failed to start: {exc!r}")))
+        for connection in connections:
+            connection.send_bytes(failure)
         return
-    handlers = {"add": core.add_request, "abort": core.abort_request, "step": core.step}
-    while True:
-        try:
-            command = conn.recv()
-        except EOFError:
-            return
-        if command[0] == "stop":
-            return
-        try:
-            result = ("ok", handlers[command[0]](*command[1:]))
-        except Exception as exc:  # noqa: BLE001 - typed engine errors go back to the caller
-            result = ("error", exc)
-        conn.send((*result, core.stats(), core.has_unfinished_requests()))
+    try:
+        CoreLoop(llm.engine, connections, describe(llm)).run()
+    finally:
+        llm.shutdown()
+
+
+def start_engine_core(num_fronts: int, engine_kwargs: dict, log_level: str = "INFO"
+                      ) -> tuple[mp.process.BaseProcess, list]:
+    """Spawn the engine-core process; return it and the fronts' ends of its connections (one per front)."""
+    context = mp.get_context("spawn")
+    pairs = [context.Pipe(duplex=True) for _ in range(num_fronts)]
+    process = context.Process(target=run_engine_core, args=([core for _, core in pairs], engine_kwargs, log_level),
+                              name="llmserve-engine-core", daemon=True)
+    process.start()
+    for _, core_end in pairs:
+        core_end.close()
+    return process, [front_end for front_end, _ in pairs]
+
+
+def _die_with_parent() -> None:
+    """Ask Linux for SIGKILL when the process that started us dies, so no engine outlives its service."""
+    if os.uname().sysname == "Linux":
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

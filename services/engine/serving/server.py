@@ -1,8 +1,8 @@
 """grpc.aio adapter of the engine service: protobuf in, core calls, protobuf out. No model code here."""
 
-import asyncio
 import contextlib
 import logging
+import os
 
 import grpc
 from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc
@@ -21,11 +21,12 @@ SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     """Streams sampled token ids per engine step; cancellation aborts the sequence within one step."""
 
-    def __init__(self, engine: AsyncEngine, info: engine_pb2.GetEngineInfoResponse, state: ServingState):
+    def __init__(self, engine: AsyncEngine, info: engine_pb2.GetEngineInfoResponse, state: ServingState,
+                 validator=None):
         self.engine = engine
         self.info = info
         self.state = state
-        self.num_finished_requests = 0
+        self.validator = validator
 
     def register(self, server: grpc.aio.Server) -> None:
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self, server)
@@ -33,7 +34,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     async def warm_up(self) -> None:
         """One short request through the whole path before reporting ready."""
         sampling = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-        async for _ in self.engine.generate("warm-up", [self.info.eos_token_ids[0] if self.info.eos_token_ids else 0],
+        async for _ in self.engine.generate(f"warm-up-{os.getpid()}", [self.info.eos_token_ids[0] if self.info.eos_token_ids else 0],
                                             sampling):
             pass
 
@@ -45,26 +46,21 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         request_id_var.set(request.request_id)
         prompt = list(request.prompt_token_ids)
         sampling = self._sampling(request, len(prompt))
+        if self.validator is not None:
+            try:
+                self.validator.validate_request(prompt, sampling)
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(prompt_field_name(exc.field), exc.description) from None
         clock = RequestClock()
         stream = self.engine.generate(request.request_id, prompt, sampling)
         async with contextlib.aclosing(stream):
-            try:
-                first = await anext(stream)
-            except InvalidRequestError as exc:
-                raise InvalidRequestError(prompt_field_name(exc.field), exc.description) from None
-            except asyncio.CancelledError:
-                self.num_finished_requests += 1  # cancelled while queued: it ends here too
-                raise
-            try:
-                async for output in _chain(first, stream):
-                    if output.new_token_ids:
-                        clock.mark_token()
-                    if output.finished:
-                        logger.info("finished: %s, %d prompt + %d completion tokens", output.finish_reason.name,
-                                    output.num_prompt_tokens, output.num_completion_tokens)
-                    yield response_from_output(output, clock)
-            finally:
-                self.num_finished_requests += 1  # whatever the reason: cancelled and aborted requests count too
+            async for output in stream:
+                if output.new_token_ids:
+                    clock.mark_token()
+                if output.finished:
+                    logger.info("finished: %s, %d prompt + %d completion tokens", output.finish_reason.name,
+                                output.num_prompt_tokens, output.num_completion_tokens)
+                yield response_from_output(output, clock)
 
     def _sampling(self, request: engine_pb2.GenerateRequest, num_prompt_tokens: int) -> SamplingParams:
         sampling = sampling_from_proto(request.sampling, num_prompt_tokens, self.info.max_model_len)
@@ -72,22 +68,27 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         return sampling
 
     async def Abort(self, request: engine_pb2.AbortRequest, context) -> engine_pb2.AbortResponse:
-        aborted = [request_id for request_id in request.request_ids if self.engine.is_live(request_id)]
-        for request_id in request.request_ids:
-            self.engine.abort(request_id)
+        aborted = await self.engine.abort_any(list(request.request_ids))
         return engine_pb2.AbortResponse(aborted_request_ids=aborted)
 
     async def GetEngineInfo(self, request, context) -> engine_pb2.GetEngineInfoResponse:
         return self.info
 
     async def GetLoad(self, request, context) -> engine_pb2.LoadReport:
-        return load_report(self.engine.stats(), self.num_finished_requests, self.state.draining)
+        return load_report(self.engine.stats(), self.engine.num_finished_requests, self.state.draining)
 
 
-async def _chain(first, rest):
-    yield first
-    async for item in rest:
-        yield item
+class RequestValidator:
+    """Checks a request against the engine's limits in the front, before it reaches the core process."""
+
+    def __init__(self, description):
+        from services.engine.core.engine import EngineCore
+
+        self._core = EngineCore(description.scheduler_config, runner=None, eos_token_ids=description.eos_token_ids,
+                                vocab_size=description.vocab_size)
+
+    def validate_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        self._core.validate_request(prompt_token_ids, sampling)
 
 
 def engine_info(description) -> engine_pb2.GetEngineInfoResponse:
