@@ -57,6 +57,7 @@ class Front:
         self.engine = None
         self.exit_code = 0
         self.workers: list[mp.process.BaseProcess] = []  # fronts to pass a stop signal on to
+        self.stopping = False
 
     async def serve(self, port: int, on_ready=None) -> None:
         from services.engine.serving.async_engine import AsyncEngine
@@ -81,9 +82,10 @@ class Front:
         async def stop_relay() -> None:
             self.engine.shutdown()
 
-        await run_until_signalled(server, state, self.args.grace_period, stop_relay, self._signal_workers)
+        await run_until_signalled(server, state, self.args.grace_period, stop_relay, self.signal_workers)
 
-    def _signal_workers(self) -> None:
+    def signal_workers(self) -> None:
+        self.stopping = True
         for worker in self.workers:
             if worker.is_alive():
                 os.kill(worker.pid, signal.SIGTERM)
@@ -99,6 +101,7 @@ def run_api_worker(args: argparse.Namespace, port: int, connection) -> None:
     configure_logging(args.log_level)
     front = Front(args, connection)
     asyncio.run(front.serve(port))
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # drained already: a late SIGTERM must not change the exit code
     sys.exit(front.exit_code)
 
 
@@ -132,7 +135,9 @@ async def serve(args: argparse.Namespace) -> int:
         try:
             await front.serve(port, on_ready)
         finally:
-            _stop_processes(workers, core)
+            if not front.stopping:
+                front.signal_workers()
+            _join_processes([*workers, core])
     return front.exit_code or _worst_exit_code(workers)
 
 
@@ -145,18 +150,17 @@ async def _watch_processes(processes: list[mp.process.BaseProcess], front: Front
     process = await died
     for other in processes:
         loop.remove_reader(other.sentinel)
+    if front.stopping:
+        return  # the processes leave because we asked them to
     logger.error("%s (pid %d) exited with code %s; stopping the service", process.name, process.pid,
                  process.exitcode)
     front.exit_code = 1
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _stop_processes(workers: list[mp.process.BaseProcess], core: mp.process.BaseProcess) -> None:
-    """Drain the other fronts (SIGTERM), then let the core leave once every front has hung up."""
-    for worker in workers:
-        if worker.is_alive():
-            os.kill(worker.pid, signal.SIGTERM)
-    for process in [*workers, core]:
+def _join_processes(processes: list[mp.process.BaseProcess]) -> None:
+    """Wait for the fronts to drain, then for the core, which leaves once every front has hung up."""
+    for process in processes:
         process.join(JOIN_TIMEOUT_S)
         if process.is_alive():
             logger.warning("%s did not exit; killing it", process.name)
