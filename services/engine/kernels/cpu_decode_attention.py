@@ -5,14 +5,20 @@ CPU costs more than the attention itself. This kernel reads each block where it 
 cache, once, with one OpenMP task per (sequence, KV head) and the query heads of that group together.
 `paged_decode_attention_reference` (in kernels/decode_attention.py) is what it is tested against.
 
-Built with torch.utils.cpp_extension.load_inline (needs a C++ compiler and ninja); `load()` returns
-None when it cannot be built, and callers fall back to the torch path.
+Built with torch.utils.cpp_extension.load_inline (needs a C++ compiler and ninja) into our own cache
+folder, once (`make install` does it ahead); later processes import the built library directly, without
+torch's build lock, which a process killed mid-build would otherwise leave behind for every later one
+to wait on forever. `load()` returns None when it cannot be built; callers fall back to the torch path.
 """
 
 import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import threading
+import time
+from pathlib import Path
 
 import torch
 
@@ -106,21 +112,56 @@ def _cpu_tag() -> str:
     return hashlib.sha1((flags + _SOURCE).encode()).hexdigest()[:10]
 
 
+STALE_BUILD_LOCK_S = 600.0  # a build takes well under a minute; an older lock is a killed builder's
+
+
+def build_directory(name: str) -> Path:
+    cache = os.environ.get("LLMSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llmserve")
+    return Path(cache) / "kernels" / name
+
+
 def load():
     """The compiled extension, or None if it cannot be built here (logged once)."""
     global _module, _failed
     with _lock:
         if _module is None and not _failed and os.environ.get("LLMSERVE_DISABLE_CPU_KERNELS") != "1":
+            name = f"llmserve_cpu_attention_{_cpu_tag()}"
+            directory = build_directory(name)
             try:
-                from torch.utils.cpp_extension import load_inline
-
-                _module = load_inline(
-                    name=f"llmserve_cpu_attention_{_cpu_tag()}", cpp_sources=[_SOURCE], functions=["paged_decode"],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                _module = _import_built(name, directory) or _build(name, directory)
             except Exception as exc:  # a missing compiler or ninja: the torch path still works
                 _failed = True
                 logger.warning("CPU attention kernel unavailable, using the torch path: %s", exc)
         return _module
+
+
+def _import_built(name: str, directory: Path):
+    """The library a previous build left in `directory`, or None if there is none that imports."""
+    library = directory / f"{name}.so"
+    if not library.is_file():
+        return None
+    try:
+        loader = importlib.machinery.ExtensionFileLoader(name, str(library))
+        spec = importlib.util.spec_from_file_location(name, str(library), loader=loader)
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+        return module
+    except ImportError as exc:  # a build cut short: build again
+        logger.warning("rebuilding the CPU attention kernel: %s", exc)
+        return None
+
+
+def _build(name: str, directory: Path):
+    from torch.utils.cpp_extension import load_inline
+
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = directory / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_BUILD_LOCK_S:
+        logger.warning("removing a stale kernel build lock left by a killed build: %s", lock)
+        lock.unlink(missing_ok=True)
+    return load_inline(name=name, cpp_sources=[_SOURCE], functions=["paged_decode"], build_directory=str(directory),
+                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

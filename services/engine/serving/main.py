@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 
 from services.common.grpc_server import ServingState, build_server, configure_logging, run_until_signalled
 from services.engine.serving.cli_args import add_engine_args, engine_args_from
@@ -82,6 +83,9 @@ class Front:
         async def stop_relay() -> None:
             self.engine.shutdown()
 
+        # NOTE: a stop signal that came while this front was starting (see run_api_worker) is raised again
+        # once run_until_signalled has installed its handlers, which happens before this callback runs.
+        asyncio.get_running_loop().call_soon(_resend_early_stop)
         await run_until_signalled(server, state, self.args.grace_period, stop_relay, self.signal_workers)
 
     def signal_workers(self) -> None:
@@ -96,8 +100,22 @@ class Front:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+_early_stop = threading.Event()
+
+
+def _note_early_stop(signum, frame) -> None:
+    _early_stop.set()
+
+
+def _resend_early_stop() -> None:
+    if _early_stop.is_set():
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def run_api_worker(args: argparse.Namespace, port: int, connection) -> None:
     """Entry point of fronts 1..N-1 (spawned processes)."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _note_early_stop)  # until the front serves: then it drains on the signal
     configure_logging(args.log_level)
     front = Front(args, connection)
     asyncio.run(front.serve(port))
