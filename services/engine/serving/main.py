@@ -101,6 +101,7 @@ class Front:
 
 
 _early_stop = threading.Event()
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
 def _note_early_stop(signum, frame) -> None:
@@ -114,8 +115,9 @@ def _resend_early_stop() -> None:
 
 def run_api_worker(args: argparse.Namespace, port: int, connection) -> None:
     """Entry point of fronts 1..N-1 (spawned processes)."""
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in _STOP_SIGNALS:
         signal.signal(signum, _note_early_stop)  # until the front serves: then it drains on the signal
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     configure_logging(args.log_level)
     front = Front(args, connection)
     asyncio.run(front.serve(port))
@@ -141,7 +143,13 @@ async def serve(args: argparse.Namespace) -> int:
             for index, connection in enumerate(connections[1:], start=1):
                 worker = context.Process(target=run_api_worker, args=(args, port, connection),
                                          name=f"llmserve-engine-api-{index}", daemon=True)
-                worker.start()
+                # NOTE: the child starts with stop signals blocked (the mask survives exec) and unblocks them
+                # once its handler is in place: a drain that starts meanwhile is then noted, not fatal.
+                signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+                try:
+                    worker.start()
+                finally:
+                    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
                 connection.close()
                 workers.append(worker)
             asyncio.get_running_loop().create_task(_watch_processes([core, *workers], front))
@@ -180,6 +188,7 @@ def _join_processes(processes: list[mp.process.BaseProcess]) -> None:
     """Wait for the fronts to drain, then for the core, which leaves once every front has hung up."""
     for process in processes:
         process.join(JOIN_TIMEOUT_S)
+        logger.info("%s exited with code %s", process.name, process.exitcode)
         if process.is_alive():
             logger.warning("%s did not exit; killing it", process.name)
             process.kill()
