@@ -30,7 +30,6 @@ sys.path[:0] = [str(ROOT), str(ROOT / "clients" / "python")]
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
-from bench.offline import make_workload  # noqa: E402
 from bench.serving_metrics import RequestRecord, Summary, final_report, percentile, summarize, ttft_s  # noqa: E402
 from llmserve.common.v1 import common_pb2  # noqa: E402
 from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
@@ -328,6 +327,8 @@ def start_services(args, started: list[Service]) -> tuple[str, str | None]:
 
 
 def main() -> None:
+    from bench.offline import make_workload  # imports torch: not for the load-generating importers of stream()
+
     args = parse_args()
     started: list[Service] = []
     try:
