@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -32,8 +33,8 @@ import grpc  # noqa: E402
 
 from bench.proc_cpu import CpuMeter  # noqa: E402
 from bench.serving import ENGINE_SERVICE, TEXTGEN_SERVICE, Service, engine_argv, salted, sampling_for  # noqa: E402
-from bench.serving import ttft_probe  # noqa: E402
-from bench.serving_metrics import summarize  # noqa: E402
+from bench.serving import paired_ttfts, ttft_probe  # noqa: E402
+from bench.serving_metrics import percentile, summarize  # noqa: E402
 from bench.stack_procs import ENGINE, TEXTGEN, LoadPhase, OfflineRun, load_main, offline_main  # noqa: E402
 from bench.stack_report import (BOTH, CLIENT, DIRECT, OFFLINE, TOKENIZER, PathResult, StackReport,  # noqa: E402
                                 format_report, per_token_us, served_result)
@@ -43,6 +44,10 @@ from services.engine.serving.cli_args import add_engine_args, engine_args_from  
 THREADS = 1
 _T0 = time.monotonic()
 _MP = mp.get_context("spawn")
+
+
+class LoadError(Exception):
+    """A load generator failed; the pool cannot go on (the others may wait for a "go" that never comes)."""
 
 
 class LoadPool:
@@ -61,17 +66,24 @@ class LoadPool:
     def size(self) -> int:
         return len(self._procs)
 
-    def run(self, phases: list[LoadPhase], meter: CpuMeter) -> tuple[list, dict[str, float]]:
-        """(all request records, CPU seconds per metered tree plus CLIENT: the load generators' own)."""
+    def run(self, phases: list[LoadPhase], meter: CpuMeter, on_go=None) -> tuple[list, dict[str, float]]:
+        """(all request records, CPU seconds per metered tree plus CLIENT: the load generators' own).
+
+        on_go: called once the load has been released (e.g. to start a probe beside it).
+        """
         for conn, phase in zip(self._conns, phases):
             conn.send(phase)
         for conn in self._conns[:len(phases)]:
-            if conn.recv() != "ready":
-                raise RuntimeError("a load generator did not get ready")
+            if (answer := conn.recv()) != "ready":
+                raise LoadError(answer)
         meter.start()
         for conn in self._conns[:len(phases)]:
             conn.send("go")
+        if on_go is not None:
+            on_go()
         results = [conn.recv() for conn in self._conns[:len(phases)]]
+        if failed := [result for result in results if isinstance(result, str)]:
+            raise LoadError(failed[0])
         cpu_s = meter.stop() | {CLIENT: sum(result.cpu_s for result in results)}
         return [record for result in results for record in result.records], cpu_s
 
@@ -90,6 +102,30 @@ def split_phase(path: str, target: str, requests: list, concurrency: int, args, 
     num_procs = min(args.client_procs, concurrency)
     return [LoadPhase(path, target, requests[k::num_procs], sampling, len(range(k, concurrency, num_procs)),
                       max(1, len(range(k, args.connections, num_procs)))) for k in range(num_procs)]
+
+
+class ProbeBesideLoad:
+    """bench/serving.py's paired TTFT probe (via the tokenizer vs straight to the engine), run in a thread of
+    this process for as long as a load phase runs: what the tokenizer service adds to TTFT under that load."""
+
+    def __init__(self, workload, target: str, engine_target: str, info):
+        self._done = threading.Event()
+        self._result: list = []
+        probe = paired_ttfts(0, workload, target, engine_target, info, first_id=5000, until=self._done)
+        self._thread = threading.Thread(target=lambda: self._result.append(asyncio.run(probe)), daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> dict[str, float]:
+        """{"p50_ms": paired difference p50, "num_pairs", "via_p50_ms", "direct_p50_ms"}; {} if no pair ran."""
+        self._done.set()
+        self._thread.join()
+        via_ms, direct_ms, gaps = self._result[0] if self._result else ([], [], [])
+        if not gaps:
+            return {}
+        return {"p50_ms": percentile(gaps, 50), "num_pairs": len(gaps), "via_p50_ms": percentile(via_ms, 50),
+                "direct_p50_ms": percentile(direct_ms, 50)}
 
 
 class OfflineProcess:
@@ -146,12 +182,13 @@ def run_config(args, label: str, extra: tuple[list[str], list[str]], workload, p
         meter = CpuMeter({ENGINE: engine.proc.pid, TOKENIZER: tokenizer.proc.pid})
         salts = iter(range(info.vocab_size - 1, 0, -1))
 
-        def phase(path: str, tag: str, concurrency: int, num_requests: int, num_tokens: int | None = None):
+        def phase(path: str, tag: str, concurrency: int, num_requests: int, num_tokens: int | None = None,
+                  on_go=None):
             prompts = salted(workload, next(salts))
             requests = [(f"stack-{tag}-{i}", prompts[i], num_tokens or workload[i][1]) for i in range(num_requests)]
             phases = split_phase(path, engine_target if path == ENGINE else target, requests, concurrency, args,
                                  sampling)
-            records, cpu_s = pool.run(phases, meter)
+            records, cpu_s = pool.run(phases, meter, on_go)
             log(f"{label}: {tag} done")
             return summarize(records, max(r.end_s for r in records) - min(r.start_s for r in records)), cpu_s
 
@@ -162,11 +199,10 @@ def run_config(args, label: str, extra: tuple[list[str], list[str]], workload, p
             summary, cpu_s = phase(path, f"{name}-{args.streams}", args.streams, len(workload))
             report.rows.append(served_result(label, name, args.streams, summary, cpu_s))
         if args.ttft_streams:
-            num = min(len(workload), 2 * args.ttft_streams)
-            direct, _ = phase(ENGINE, f"ttft-direct-{args.ttft_streams}", args.ttft_streams, num)
-            both, _ = phase(TEXTGEN, f"ttft-both-{args.ttft_streams}", args.ttft_streams, num)
-            if direct.ttft and both.ttft:
-                report.ttft_added_ms[label] = both.ttft.p50_ms - direct.ttft.p50_ms
+            probe = ProbeBesideLoad(workload, target, engine_target, info)
+            phase(TEXTGEN, f"ttft-load-{args.ttft_streams}", args.ttft_streams,
+                  min(len(workload), 2 * args.ttft_streams), on_go=probe.start)
+            report.ttft_added[label] = probe.stop()
         if args.ttft_probe:
             report.probes[label] = asyncio.run(ttft_probe(args.ttft_probe, workload, target, engine_target, info))
     finally:
@@ -207,7 +243,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--worker-counts", default=None, help="comma-separated N: a configuration per N with both flags below")
     add("--api-workers", type=int, default=None, help="engine service --api-workers (passed only when given)")
     add("--workers", type=int, default=None, help="tokenizer service --workers (passed only when given)")
-    add("--ttft-streams", type=int, default=64, help="streams of the tokenizer-added TTFT phases (0: skip)")
+    add("--ttft-streams", type=int, default=64, help="streams of the load beside the TTFT probe (0: skip)")
     add("--ttft-probe", type=int, default=16, metavar="PAIRS", help="paired unloaded TTFT probe (0: skip)")
     add("--json", default=None, metavar="PATH", help="also write the report as JSON")
     add("--quick", action="store_true", help="smoke run: 16 streams, 32 short requests")

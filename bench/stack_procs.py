@@ -21,6 +21,7 @@ from llmserve.textgen.v1 import textgen_pb2, textgen_pb2_grpc
 ENGINE, TEXTGEN = "engine", "textgen"
 # Distinct channels must be distinct TCP connections, or N front workers sharing a port would see one client.
 _OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
+CONNECT_TIMEOUT_S = 60.0
 
 
 @dataclass(slots=True)
@@ -81,7 +82,7 @@ async def _run_load(phase: LoadPhase, conn) -> LoadResult:
     channels = [grpc.aio.insecure_channel(phase.target, options=_OWN_CONNECTION)
                 for _ in range(phase.num_connections)]
     try:
-        await asyncio.gather(*(channel.channel_ready() for channel in channels))
+        await asyncio.wait_for(asyncio.gather(*(channel.channel_ready() for channel in channels)), CONNECT_TIMEOUT_S)
         calls = [_generate_call(phase.path, channel) for channel in channels]
         sampling = common_pb2.SamplingParams.FromString(phase.sampling)
         requests = [_request(phase.path, spec, sampling) for spec in phase.requests]
@@ -105,7 +106,10 @@ async def _run_load(phase: LoadPhase, conn) -> LoadResult:
 def load_main(conn) -> None:
     """A load generator: runs each LoadPhase it receives (see the module docstring) until it receives None."""
     while (phase := conn.recv()) is not None:
-        conn.send(asyncio.run(_run_load(phase, conn)))
+        try:
+            conn.send(asyncio.run(_run_load(phase, conn)))
+        except Exception as exc:  # the parent raises it (LoadError): a load generator never fails silently
+            conn.send(f"load generator failed: {exc!r}")
 
 
 def offline_main(conn, run: OfflineRun) -> None:

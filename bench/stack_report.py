@@ -46,15 +46,18 @@ def served_result(config: str, path: str, num_streams: int, summary: Summary, cp
 
 @dataclass(slots=True)
 class StackReport:
-    """Everything one run measured. ttft_added_ms: config -> (through-both TTFT p50 - direct TTFT p50) at
-    ttft_streams streams; probes: config -> the paired unloaded probe's line (bench/serving.py); errors:
-    config -> why it could not be measured. offline is None only until it has been measured."""
+    """Everything one run measured, per configuration where it varies.
+
+    ttft_added: what the tokenizer service adds to TTFT while ttft_streams streams run through both services
+    (bench/stack.py's ProbeBesideLoad.stop()); probes: the paired unloaded probe's line (bench/serving.py);
+    errors: why a configuration could not be measured. offline is None only until it has been measured.
+    """
 
     title: str
     offline: PathResult | None
     rows: list[PathResult]
     ttft_streams: int = 0
-    ttft_added_ms: dict[str, float] = field(default_factory=dict)
+    ttft_added: dict[str, dict[str, float]] = field(default_factory=dict)
     probes: dict[str, str] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
 
@@ -112,9 +115,11 @@ def format_report(report: StackReport) -> str:
         ratios = {row.path: row.tokens_per_s / report.offline.tokens_per_s for row in report.rows
                   if row.config == config}
         lines.append(f"throughput / offline ({config}): " + ", ".join(f"{p} {r:.2f}" for p, r in ratios.items()))
-    for config, added_ms in report.ttft_added_ms.items():
-        lines.append(f"tokenizer-added TTFT p50 at {report.ttft_streams} streams ({config}): {added_ms:.1f} ms "
-                     f"(through-both p50 minus engine-direct p50)")
+    for config, added in report.ttft_added.items():
+        lines.append(f"tokenizer-added TTFT p50 at {report.ttft_streams} streams ({config}): "
+                     + (f"{added['p50_ms']:.1f} ms (paired 1-token probes beside the load through both services, "
+                        f"{added['num_pairs']:.0f} pairs: via tokenizer p50 {added['via_p50_ms']:.1f} ms, engine "
+                        f"direct p50 {added['direct_p50_ms']:.1f} ms)" if added else "no probe pair completed"))
     lines += [f"{config}: {probe}" for config, probe in report.probes.items()]
     lines += [f"{config}: NOT MEASURED: {error}" for config, error in report.errors.items()]
     return "\n".join(lines)

@@ -153,7 +153,8 @@ def test_report_has_a_row_per_path_ratios_and_cpu_beyond_the_model():
     rows = [_row("workers 1", DIRECT, 4000.0, {"engine": 220.0, "tokenizer": 1.0, "client": 30.0}),
             _row("workers 1", BOTH, 2500.0, {"engine": 230.0, "tokenizer": 125.0, "client": 40.0}),
             _row("workers 2", BOTH, 3000.0, {"engine": 240.0, "tokenizer": 130.0, "client": 40.0})]
-    report = StackReport("t", offline, rows, 64, {"workers 1": 12.5}, {"workers 1": "TTFT probe ..."})
+    added = {"p50_ms": 12.5, "num_pairs": 40, "via_p50_ms": 30.0, "direct_p50_ms": 17.0}
+    report = StackReport("t", offline, rows, 64, {"workers 1": added}, {"workers 1": "TTFT probe ..."})
     assert [report.beyond_model_us(row) for row in rows] == [
         {"engine": 70.0}, {"engine": 80.0, "tokenizer": 125.0}, {"engine": 90.0, "tokenizer": 130.0}]
     as_dict = report.to_dict()
@@ -163,7 +164,7 @@ def test_report_has_a_row_per_path_ratios_and_cpu_beyond_the_model():
     assert "throughput / offline (workers 1): engine direct 0.80, through both 0.50" in text
     assert "throughput / offline (workers 2): through both 0.60" in text
     assert "engine 80.0 µs (12.5k tok/s per core); tokenizer 125.0 µs (8.0k tok/s per core)" in text
-    assert "tokenizer-added TTFT p50 at 64 streams (workers 1): 12.5 ms" in text
+    assert "tokenizer-added TTFT p50 at 64 streams (workers 1): 12.5 ms (paired" in text
     assert "workers 1: TTFT probe ..." in text
     table_rows = [line.split()[:3] for line in text.splitlines() if line.startswith(("- ", "workers")) and "|" in line]
     assert table_rows == [["-", "offline", "5000"], ["workers", "1", "engine"], ["workers", "1", "through"],
