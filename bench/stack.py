@@ -12,8 +12,11 @@ free ports with torch single-threaded; the load comes from --client-procs proces
 (bench/stack_procs.py), so no load generator's CPU is charged to a service. Per phase it reports throughput,
 TTFT and ITL, and CPU µs per streamed token of each service's whole process tree (bench/proc_cpu.py); the
 table ends with the ratios to offline and each service's CPU per token beyond the model (bench/stack_report.py).
-Per configuration it also reports the tokenizer-added TTFT p50 at --ttft-streams streams and, with
---ttft-probe PAIRS, bench/serving.py's paired unloaded probe. --api-workers / --workers are passed only when given.
+Per configuration it also reports the tokenizer-added TTFT p50 at --ttft-streams streams: bench/serving.py's
+paired probe (1-token requests via the tokenizer and straight to the engine, alternating, so drift cancels)
+running beside a load of that many streams through both services; and, with --ttft-probe PAIRS, the same probe
+unloaded. --api-workers / --workers are passed only when given. Kernel CPU accounting has 10 ms ticks: keep
+phases long enough (the default's are tens of thousands of tokens) for µs per token to mean something.
 """
 
 import argparse
@@ -61,10 +64,6 @@ class LoadPool:
             proc.start()
             self._conns.append(conn)
             self._procs.append(proc)
-
-    @property
-    def size(self) -> int:
-        return len(self._procs)
 
     def run(self, phases: list[LoadPhase], meter: CpuMeter, on_go=None) -> tuple[list, dict[str, float]]:
         """(all request records, CPU seconds per metered tree plus CLIENT: the load generators' own).
@@ -160,20 +159,28 @@ class OfflineProcess:
                           cpu_us_per_token=per_token_us(cpu_s, num_tokens))
 
 
+def start_services(args, label: str, extra: tuple[list[str], list[str]], started: list[Service]) -> tuple:
+    """(engine, its target, tokenizer, its target), each SERVING; appends each to `started` as it starts."""
+    engine = Service("engine", [*engine_argv(engine_args_from(args)), *extra[0]], THREADS)
+    started.append(engine)
+    engine_target = engine.wait_ready(ENGINE_SERVICE)
+    log(f"{label}: engine service ready")
+    tokenizer = Service("tokenizer", ["--engine", engine_target, "--model", args.model, *extra[1]], THREADS)
+    started.append(tokenizer)
+    target = tokenizer.wait_ready(TEXTGEN_SERVICE)
+    log(f"{label}: tokenizer service ready")
+    return engine, engine_target, tokenizer, target
+
+
 def run_config(args, label: str, extra: tuple[list[str], list[str]], workload, pool: LoadPool,
                report: StackReport, offline: OfflineProcess) -> None:
     """Start both services with this configuration's flags, measure every served phase, stop them.
 
     The offline run is measured once, while the first configuration's services are up but idle.
     """
-    engine = Service("engine", [*engine_argv(engine_args_from(args)), *extra[0]], THREADS)
-    tokenizer = None
+    started: list[Service] = []
     try:
-        engine_target = engine.wait_ready(ENGINE_SERVICE)
-        log(f"{label}: engine service ready")
-        tokenizer = Service("tokenizer", ["--engine", engine_target, "--model", args.model, *extra[1]], THREADS)
-        target = tokenizer.wait_ready(TEXTGEN_SERVICE)
-        log(f"{label}: tokenizer service ready")
+        engine, engine_target, tokenizer, target = start_services(args, label, extra, started)
         if report.offline is None:
             report.offline = offline.measure()
         with grpc.insecure_channel(target) as channel:
@@ -206,9 +213,8 @@ def run_config(args, label: str, extra: tuple[list[str], list[str]], workload, p
         if args.ttft_probe:
             report.probes[label] = asyncio.run(ttft_probe(args.ttft_probe, workload, target, engine_target, info))
     finally:
-        for service in (tokenizer, engine):
-            if service is not None:
-                service.stop()
+        for service in reversed(started):
+            service.stop()
 
 
 def worker_configs(args) -> list[tuple[str, tuple[list[str], list[str]]]]:
