@@ -30,7 +30,6 @@ sys.path[:0] = [str(ROOT), str(ROOT / "clients" / "python")]
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
-from bench.offline import make_workload  # noqa: E402
 from bench.serving_metrics import RequestRecord, Summary, final_report, percentile, summarize, ttft_s  # noqa: E402
 from llmserve.common.v1 import common_pb2  # noqa: E402
 from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
@@ -226,31 +225,47 @@ async def served_runs(args, workload, target: str, engine_target: str | None, in
     return results
 
 
+async def paired_ttfts(num_pairs: int, workload, target: str, engine_target: str, info, first_id: int = 20,
+                       until: threading.Event | None = None) -> tuple[list[float], list[float], list[float]]:
+    """(via-tokenizer TTFTs, engine-direct TTFTs, their paired differences), in ms; see ttft_probe.
+
+    With `until`, pairs go on past num_pairs until it is set: a probe running beside a load. Each pair's prompt
+    starts with its own ids (first_id + 2 * pair, + 1 for the direct one), so no pair hits the prefix cache.
+    """
+    sampling = sampling_for(info.default_sampling, 0.0, 1)
+    prompt = workload[0][0]
+    gaps, via_ms, direct_ms = [], [], []
+    max_pairs = (info.vocab_size - 1024 - first_id) // 2  # the load phases' salts come down from the top id
+    async with grpc.aio.insecure_channel(target) as public, grpc.aio.insecure_channel(engine_target) as internal:
+        textgen = textgen_pb2_grpc.TextGenerationServiceStub(public).Generate
+        engine = engine_pb2_grpc.EngineServiceStub(internal).Generate
+        pair = 0
+        while pair < max_pairs and (pair < num_pairs or (until is not None and not until.is_set())):
+            ids = [first_id + 2 * pair, *prompt[1:]]
+            via = lambda: stream(textgen, textgen_pb2.GenerateRequest(  # noqa: E731
+                request_id=f"probe-tok-{ids[0]}", token_ids={"ids": ids}, sampling=sampling), 1)
+            straight = lambda: stream(engine, engine_pb2.GenerateRequest(  # noqa: E731
+                request_id=f"probe-eng-{ids[0]}", prompt_token_ids=[ids[0] + 1, *ids[1:]], sampling=sampling), 1)
+            first, second = (via, straight) if pair % 2 == 0 else (straight, via)
+            a, b = await first(), await second()
+            record_via, record_direct = (a, b) if pair % 2 == 0 else (b, a)
+            if record_via.error or record_direct.error:
+                raise RuntimeError(f"TTFT probe failed: {record_via.error or record_direct.error}")
+            via_ms.append(ttft_s(record_via) * 1e3)
+            direct_ms.append(ttft_s(record_direct) * 1e3)
+            gaps.append(via_ms[-1] - direct_ms[-1])
+            pair += 1
+    return via_ms, direct_ms, gaps
+
+
 async def ttft_probe(num_pairs: int, workload, target: str, engine_target: str, info) -> str:
     """Paired, sequential single requests (1 token) via the tokenizer service and straight to the engine.
 
     Pairs alternate which path goes first, so drift in the machine's speed cancels out of each difference;
     the p50 of the differences is what the tokenizer service adds to time to first token.
     """
-    sampling = sampling_for(info.default_sampling, 0.0, 1)
-    prompt = workload[0][0]
-    gaps, via_ms, direct_ms = [], [], []
-    async with grpc.aio.insecure_channel(target) as public, grpc.aio.insecure_channel(engine_target) as internal:
-        textgen = textgen_pb2_grpc.TextGenerationServiceStub(public).Generate
-        engine = engine_pb2_grpc.EngineServiceStub(internal).Generate
-        for pair in range(num_pairs):
-            ids = [20 + 2 * pair, *prompt[1:]]  # first ids unlike any other run's, so no prefix-cache hits
-            via = lambda: stream(textgen, textgen_pb2.GenerateRequest(  # noqa: E731
-                request_id=f"probe-tok-{pair}", token_ids={"ids": ids}, sampling=sampling), 1)
-            straight = lambda: stream(engine, engine_pb2.GenerateRequest(  # noqa: E731
-                request_id=f"probe-eng-{pair}", prompt_token_ids=[ids[0] + 1, *ids[1:]], sampling=sampling), 1)
-            first, second = (via, straight) if pair % 2 == 0 else (straight, via)
-            a, b = await first(), await second()
-            record_via, record_direct = (a, b) if pair % 2 == 0 else (b, a)
-            via_ms.append(ttft_s(record_via) * 1e3)
-            direct_ms.append(ttft_s(record_direct) * 1e3)
-            gaps.append(via_ms[-1] - direct_ms[-1])
-    return (f"TTFT probe ({num_pairs} pairs, {len(prompt)}-token prompt, 1 token): via tokenizer p50 "
+    via_ms, direct_ms, gaps = await paired_ttfts(num_pairs, workload, target, engine_target, info)
+    return (f"TTFT probe ({num_pairs} pairs, {len(workload[0][0])}-token prompt, 1 token): via tokenizer p50 "
             f"{percentile(via_ms, 50):.1f} ms, engine direct p50 {percentile(direct_ms, 50):.1f} ms, "
             f"paired difference p50 {percentile(gaps, 50):.1f} ms")
 
@@ -328,6 +343,8 @@ def start_services(args, started: list[Service]) -> tuple[str, str | None]:
 
 
 def main() -> None:
+    from bench.offline import make_workload  # imports torch: not for the load-generating importers of stream()
+
     args = parse_args()
     started: list[Service] = []
     try:
