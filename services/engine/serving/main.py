@@ -44,8 +44,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.api_workers < 0:
         parser.error("--api-workers must be >= 0")
     args.api_workers = args.api_workers or default_api_workers()
-    if args.model == "":
-        args.model = None
     return args
 
 
@@ -130,6 +128,7 @@ async def serve(args: argparse.Namespace) -> int:
     from services.engine.serving.engine_process import start_engine_core
 
     engine_args = engine_args_from(args)
+    engine_args.model = engine_args.model or None  # "" (compose's unset LLMSERVE_MODEL): the embedded default
     # NOTE: started from the main thread: the core asks for SIGKILL when its parent *thread* exits.
     core, connections = start_engine_core(args.api_workers, {name: getattr(engine_args, name)
                                                              for name in engine_args.field_names()}, args.log_level)
