@@ -136,9 +136,7 @@ class StepInputBuilder:
         token_data, data = self._tokens.view(3, len(seqs))
         data[0] = [seq.token_ids[-1] for seq in seqs]
         np.subtract(lens, 1, out=data[1])
-        data[2] = self.tables.array[rows, data[1] // self.block_size]
-        data[2] *= self.block_size
-        data[2] += data[1] % self.block_size
+        self._slots(rows, data[1], data[2])
         return StepInputs(False, token_data, self._gather_tables(rows, max(seqlens_k)), seqlens_k,
                           list(range(len(seqs))), context_lens=context_lens)
 
@@ -157,10 +155,7 @@ class StepInputBuilder:
         data[0] = input_ids
         # positions: start_b + i for the i-th new token of sequence b
         data[1] = np.arange(num_tokens) + np.repeat(starts - (cu_q - seqlens_q), seqlens_q)
-        token_rows = np.repeat(rows, seqlens_q)  # [N]
-        data[2] = self.tables.array[token_rows, data[1] // self.block_size]
-        data[2] *= self.block_size
-        data[2] += data[1] % self.block_size
+        self._slots(np.repeat(rows, seqlens_q), data[1], data[2])
         sampled = np.flatnonzero(ends == [seq.num_tokens for seq in seqs])  # [S]
         logits_indices, indices = self._logits_indices.view(len(sampled))
         np.subtract(cu_q[sampled], 1, out=indices)
@@ -173,6 +168,12 @@ class StepInputBuilder:
         block_tables = self._gather_tables(rows, max(seqlens_k)) if has_prefix else None
         return StepInputs(True, token_data, block_tables, seqlens_k, sampled.tolist(), seqlens_q=seqlens_q,
                           cu_seqlens=cu_seqlens, logits_indices=logits_indices)
+
+    def _slots(self, token_rows: np.ndarray, positions: np.ndarray, out: np.ndarray) -> None:
+        """Cache slot of each token [N] from its block-table row and position (block id * size + offset)."""
+        out[:] = self.tables.array[token_rows, positions // self.block_size]
+        out *= self.block_size
+        out += positions % self.block_size
 
     def _gather_tables(self, rows: np.ndarray, max_context_len: int) -> torch.Tensor:
         width = -(-max_context_len // self.block_size)

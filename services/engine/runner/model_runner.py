@@ -263,9 +263,13 @@ class ModelRunner:
         if not batch.seqs:
             return results
         token_ids, sample_seq_indices = self.sample_on_device(batch)
-        if token_ids is not None:
-            for i, token_id in zip(sample_seq_indices, self._sampled.to_host(token_ids)):
-                results[i] = token_id
+        if token_ids is None:
+            return results
+        sampled = self._sampled.to_host(token_ids)
+        if len(sampled) == len(results):  # every sequence sampled (always so in decode), in batch order
+            return sampled
+        for i, token_id in zip(sample_seq_indices, sampled):
+            results[i] = token_id
         return results
 
     @torch.inference_mode()
