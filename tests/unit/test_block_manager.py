@@ -347,3 +347,14 @@ def test_a_large_manager_is_flat():
     assert manager.num_free_blocks == 1_000_000 and manager.free_block_ids()[:3] == [0, 1, 2]
     assert admit(manager, list(range(9))).block_table == [0, 1, 2]
     assert manager.num_used_blocks == 3
+
+
+def test_admission_hashes_each_probed_block_once(monkeypatch):
+    manager = BlockManager(8, BLOCK_SIZE)
+    admit_and_compute(manager, list(range(9)))
+    calls = []
+    original = block_manager_module.hash_block_key
+    monkeypatch.setattr(block_manager_module, "hash_block_key", lambda key: calls.append(key) or original(key))
+    seq = admit(manager, list(range(8)) + [50, 51, 52, 53, 54])
+    assert seq.num_cached_tokens == 8
+    assert len(calls) == 3  # probe: two hits and one miss; allocate hashes nothing
