@@ -45,6 +45,7 @@ class NullRunner:
     def execute(self, batch: SchedulerOutput) -> list[int | None]:
         step = self.inputs.build(batch)
         model_inputs = self.inputs.to_model_inputs(step)
+        self.inputs.inputs_enqueued()
         sampled_seqs = [batch.seqs[i] for i in step.sample_seq_indices]
         make_sampling_batch(sampled_seqs, VOCAB_SIZE, self.device)
         del model_inputs

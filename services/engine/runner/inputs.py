@@ -91,8 +91,7 @@ def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Ten
 class _HostBuffer:
     """A growable flat host tensor (pinned on CUDA) handing out contiguous views of its first elements.
 
-    NOTE: a view is overwritten by the next build. On CUDA that is safe because a step ends by waiting for
-    its sampled ids, which the device produces after it has read this step's (non-blocking) copies.
+    NOTE: a view is overwritten by the next build (see StepInputBuilder for when that is safe on CUDA).
     """
 
     def __init__(self, dtype: torch.dtype, pin_memory: bool, size: int = 1024):
@@ -109,7 +108,13 @@ class _HostBuffer:
 
 
 class StepInputBuilder:
-    """Builds each step's StepInputs; owns the persistent block tables and the reusable host buffers."""
+    """Builds each step's StepInputs; owns the persistent block tables and the reusable host buffers.
+
+    NOTE (CUDA): the buffers are pinned and copied non-blocking, so they may be rewritten only once the
+    device has read them: the runner calls `inputs_enqueued()` after queuing a step's work, and `build`
+    waits on that event (already passed when the step's sampled ids were read; this matters for a step
+    that samples nothing, such as a prefill of chunks only).
+    """
 
     def __init__(self, block_size: int, max_blocks_per_seq: int, max_num_seqs: int, device: torch.device):
         pin = device.type == "cuda"
@@ -120,9 +125,17 @@ class StepInputBuilder:
         self._block_tables = _HostBuffer(torch.int32, pin)
         self._lens = _HostBuffer(torch.int32, pin)
         self._logits_indices = _HostBuffer(torch.int64, pin)
+        self._enqueued = torch.cuda.Event() if pin else None
 
     def build(self, batch: SchedulerOutput) -> StepInputs:
+        if self._enqueued is not None:
+            self._enqueued.synchronize()
         return self.build_prefill(batch.seqs) if batch.is_prefill else self.build_decode(batch.seqs)
+
+    def inputs_enqueued(self) -> None:
+        """Mark the point on the current stream after which the last build's buffers may be reused."""
+        if self._enqueued is not None:
+            self._enqueued.record()
 
     def to_model_inputs(self, step: StepInputs) -> ModelInputs:
         return to_model_inputs(step, self.device)

@@ -243,7 +243,9 @@ class ModelRunner:
         step = self.inputs.build(batch)
         if self.tp_size > 1:
             tp.broadcast_object(step.detached())
-        return self.compute_logits(step), step.sample_seq_indices
+        logits = self.compute_logits(step)
+        self.inputs.inputs_enqueued()
+        return logits, step.sample_seq_indices
 
     @torch.inference_mode()
     def sample_on_device(self, batch: SchedulerOutput) -> tuple[torch.Tensor | None, list[int]]:
