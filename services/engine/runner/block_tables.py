@@ -11,7 +11,7 @@ from services.engine.core.sequence import Sequence, SequenceStatus
 
 
 class PersistentBlockTables:
-    """Rows [num_rows, max_blocks_per_seq] int32 (pinned on CUDA), zero past each row's blocks.
+    """Rows [num_rows, max_blocks_per_seq] int32 on the host, zero past each row's blocks.
 
     NOTE: the block manager replaces `seq.block_table` with a new list whenever it (de)allocates a sequence
     (first admission, preemption, finish, abort) and only appends to it while the sequence holds its blocks.

@@ -120,7 +120,7 @@ class StepInputBuilder:
         pin = device.type == "cuda"
         self.block_size = block_size
         self.device = device
-        self.tables = PersistentBlockTables(max_blocks_per_seq, max_num_seqs + 1, pin)
+        self.tables = PersistentBlockTables(max_blocks_per_seq, max_num_seqs + 1)  # host only: gathered, not copied
         self._tokens = _HostBuffer(torch.int64, pin)
         self._block_tables = _HostBuffer(torch.int32, pin)
         self._lens = _HostBuffer(torch.int32, pin)
