@@ -7,7 +7,7 @@ from bench.step_host_time import block_manager_creation, build_engine, measure
 
 def test_measure_reports_every_phase_with_all_sequences_decoding():
     result = measure(num_seqs=3, context=20, num_steps=2, warmup=1, device=torch.device("cpu"))
-    assert set(result) == {"schedule", "input_prep", "postprocess", "outputs", "total"}
+    assert set(result) == {"schedule", "input_prep", "postprocess", "outputs", "total", "wall"}
     assert all(value >= 0 for key, value in result.items() if key != "outputs")
 
 
