@@ -93,7 +93,8 @@ class DecodeGraphBuffers:
         self.context_lens[:num_seqs].copy_(step.context_lens, non_blocking=True)
         self.block_tables[:num_seqs, :width].copy_(step.block_tables, non_blocking=True)
         if num_seqs < batch_size:
-            self.token_data[:2, num_seqs:batch_size].zero_()
+            self.token_data[0, num_seqs:batch_size].fill_(PAD_TOKEN_ID)
+            self.token_data[1, num_seqs:batch_size].zero_()
             self.token_data[2, num_seqs:batch_size].fill_(PAD_SLOT)
             self.context_lens[num_seqs:batch_size].fill_(PAD_CONTEXT_LEN)
             self.block_tables[num_seqs:batch_size, 0].zero_()
