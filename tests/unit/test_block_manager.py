@@ -349,7 +349,7 @@ def test_a_large_manager_is_flat():
     assert manager.num_used_blocks == 3
 
 
-def test_admission_hashes_each_probed_block_once(monkeypatch):
+def test_each_block_of_a_sequence_is_hashed_once(monkeypatch):
     manager = BlockManager(8, BLOCK_SIZE)
     admit_and_compute(manager, list(range(9)))
     calls = []
@@ -358,3 +358,7 @@ def test_admission_hashes_each_probed_block_once(monkeypatch):
     seq = admit(manager, list(range(8)) + [50, 51, 52, 53, 54])
     assert seq.num_cached_tokens == 8
     assert len(calls) == 3  # probe: two hits and one miss; allocate hashes nothing
+    manager.cached_prefix(seq)  # probed again (a waiting head that could not be admitted)
+    compute(manager, seq)  # registers the third block under the hash the probe computed
+    assert len(calls) == 3
+    assert fits(manager, list(range(8)) + [50, 51, 52, 53, 99]) == (True, 3)

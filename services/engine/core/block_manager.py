@@ -143,14 +143,10 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         block_ids: list[int] = []
-        prefix_hash = None
-        block_size = self.block_size
-        token_ids = seq.token_ids
-        for start in range(0, (len(token_ids) - 1) // block_size * block_size, block_size):
-            key = block_key(token_ids[start:start + block_size], prefix_hash)
-            prefix_hash = hash_block_key(key)
-            block_id = self.hash_to_block_id.get(prefix_hash)
-            if block_id is None or self.block_keys[block_id] != key:
+        for index in range((len(seq.token_ids) - 1) // self.block_size):
+            self._extend_hash_chain(seq, index + 1)
+            block_id = self.hash_to_block_id.get(seq.block_hashes[index])
+            if block_id is None or self.block_keys[block_id] != seq.block_keys[index]:
                 break
             block_ids.append(block_id)
         return block_ids
@@ -213,16 +209,22 @@ class BlockManager:
         block_size = self.block_size
         first = seq.num_cached_tokens // block_size
         end = (seq.num_cached_tokens + seq.num_scheduled_tokens) // block_size
+        self._extend_hash_chain(seq, end)
         for index in range(first, end):
-            prefix_hash = self.block_hashes[seq.block_table[index - 1]] if index > 0 else None
-            if index > 0 and prefix_hash is None:
-                return
             block_id = seq.block_table[index]
-            key = block_key(seq.token_ids[index * block_size:(index + 1) * block_size], prefix_hash)
-            block_hash = hash_block_key(key)
+            block_hash = seq.block_hashes[index]
             self.block_hashes[block_id] = block_hash
-            self.block_keys[block_id] = key
+            self.block_keys[block_id] = seq.block_keys[index]
             self.hash_to_block_id[block_hash] = block_id
+
+    def _extend_hash_chain(self, seq: Sequence, num_blocks: int) -> None:
+        """Hash `seq`'s leading full blocks up to `num_blocks`, each once per sequence (kept on it)."""
+        block_size = self.block_size
+        hashes, keys = seq.block_hashes, seq.block_keys
+        for index in range(len(hashes), num_blocks):
+            key = block_key(seq.token_ids[index * block_size:(index + 1) * block_size], hashes[-1] if hashes else None)
+            keys.append(key)
+            hashes.append(hash_block_key(key))
 
     def _take_free_block(self) -> int:
         """Take the least recently used free block for new data, evicting its cache entry."""
