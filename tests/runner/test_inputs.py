@@ -2,7 +2,7 @@
 
 import torch
 
-from services.engine.runner.inputs import prepare_decode, prepare_prefill, slots_for_range
+from services.engine.runner.inputs import prepare_decode, prepare_prefill
 from tests.runner.helpers import make_seq
 
 CPU = torch.device("cpu")
@@ -13,11 +13,6 @@ def _mixed_prefill_batch():
     prefix_hit = make_seq(1, list(range(200, 209)), [3, 6, 1], num_cached_tokens=4)  # 5 new, sampled
     first_chunk = make_seq(2, list(range(300, 312)), [0, 4, 8], num_scheduled_tokens=6)  # not sampled yet
     return [whole, prefix_hit, first_chunk]
-
-
-def test_slots_for_range_spans_blocks_from_mid_block():
-    assert slots_for_range([7, 2, 5], 3, 9, 4) == [31, 8, 9, 10, 11, 20]
-    assert slots_for_range([7, 2, 5], 4, 4, 4) == []
 
 
 def test_prefill_positions_slots_and_sampled_rows():

@@ -1,11 +1,14 @@
 """Block manager: hash chain, ref counts, LRU free queue, revival, collision guard, caching off."""
 
 import itertools
+import random
+from collections import OrderedDict
 
 import pytest
+import xxhash
 
 from services.engine.core import block_manager as block_manager_module
-from services.engine.core.block_manager import BlockManager, hash_block_tokens
+from services.engine.core.block_manager import BlockManager, _FreeQueue, hash_block_tokens
 from services.engine.core.sampling_params import SamplingParams
 from services.engine.core.sequence import Sequence
 
@@ -28,10 +31,17 @@ def compute(manager: BlockManager, seq: Sequence, num_tokens: int | None = None)
 
 def admit(manager: BlockManager, token_ids: list[int]) -> Sequence:
     seq = make_seq(token_ids)
-    num_cached_blocks = manager.can_allocate(seq)
-    assert num_cached_blocks is not None
-    manager.allocate(seq, num_cached_blocks)
+    cached_block_ids = manager.cached_prefix(seq)
+    assert manager.can_allocate(seq, cached_block_ids)
+    manager.allocate(seq, cached_block_ids)
     return seq
+
+
+def fits(manager: BlockManager, token_ids: list[int]) -> tuple[bool, int]:
+    """(can_allocate, number of prefix-cache hits) for a new sequence of these tokens."""
+    seq = make_seq(token_ids)
+    cached_block_ids = manager.cached_prefix(seq)
+    return manager.can_allocate(seq, cached_block_ids), len(cached_block_ids)
 
 
 def admit_and_compute(manager: BlockManager, token_ids: list[int]) -> Sequence:
@@ -72,11 +82,11 @@ def test_shared_prefix_blocks_are_ref_counted():
     assert second.block_table[2] != first.block_table[2]
     assert second.num_cached_tokens == 8
     assert second.num_prefix_hit_tokens == 8
-    assert [manager.blocks[b].ref_count for b in first.block_table[:2]] == [2, 2]
+    assert [manager.ref_counts[b] for b in first.block_table[:2]] == [2, 2]
     assert manager.num_used_blocks == 4
 
     manager.deallocate(first)
-    assert [manager.blocks[b].ref_count for b in second.block_table] == [1, 1, 1]
+    assert [manager.ref_counts[b] for b in second.block_table] == [1, 1, 1]
     assert manager.num_used_blocks == 3
     manager.deallocate(second)
     assert manager.num_used_blocks == 0
@@ -88,10 +98,10 @@ def test_hit_on_block_in_use_needs_no_free_block():
     admit_and_compute(manager, list(range(8)) + [9])
     assert manager.num_free_blocks == 0
     # Two prefix hits on blocks the first sequence holds, and a third block that cannot be had.
-    assert manager.can_allocate(make_seq(list(range(8)) + [70])) is None
+    assert not fits(manager, list(range(8)) + [70])[0]
     manager2 = BlockManager(4, BLOCK_SIZE)
     admit_and_compute(manager2, list(range(8)) + [9])
-    assert manager2.can_allocate(make_seq(list(range(8)) + [70])) == 2
+    assert fits(manager2, list(range(8)) + [70]) == (True, 2)
 
 
 def test_hit_on_free_cached_block_consumes_it():
@@ -100,8 +110,8 @@ def test_hit_on_free_cached_block_consumes_it():
     admit(manager, [90])
     assert manager.num_free_blocks == 3
     # Two hits that sit in the free queue plus two new blocks: four, but only three are free.
-    assert manager.can_allocate(make_seq(list(range(8)) + [60, 61, 62, 63, 64])) is None
-    assert manager.can_allocate(make_seq(list(range(8)) + [60])) == 2
+    assert not fits(manager, list(range(8)) + [60, 61, 62, 63, 64])[0]
+    assert fits(manager, list(range(8)) + [60]) == (True, 2)
 
 
 def test_fresh_blocks_are_taken_in_id_order():
@@ -117,7 +127,7 @@ def test_free_queue_evicts_least_recently_freed_first():
     manager.deallocate(old)
     manager.deallocate(new)
     # old's unhashed last block at the head, then old's hashed blocks last-first, then new's block.
-    assert list(manager.free_block_ids) == [2, 1, 0, 3]
+    assert manager.free_block_ids() == [2, 1, 0, 3]
     taker = admit(manager, [8, 8, 8, 8, 8, 8, 8, 8, 8])
     assert taker.block_table == [2, 1, 0]
     assert manager.cached_prefix(make_seq([1, 1, 1, 1, 2, 2, 2, 2, 3])) == []
@@ -156,8 +166,8 @@ def test_freed_block_is_revived_by_a_later_hit():
     second = admit(manager, list(range(9)))
     assert second.block_table[:2] == cached_blocks
     assert second.num_cached_tokens == 8
-    assert [manager.blocks[b].ref_count for b in cached_blocks] == [1, 1]
-    assert not set(second.block_table) & set(manager.free_block_ids)
+    assert [manager.ref_counts[b] for b in cached_blocks] == [1, 1]
+    assert not set(second.block_table) & set(manager.free_block_ids())
     assert manager.num_free_blocks == 1
 
 
@@ -166,7 +176,7 @@ def test_reused_block_loses_its_cache_entry():
     manager.deallocate(admit_and_compute(manager, [3, 3, 3, 3]))
     manager.deallocate(admit(manager, [7, 7, 7, 7, 7]))
     assert manager.hash_to_block_id == {}
-    assert manager.can_allocate(make_seq([3, 3, 3, 3, 3])) == 0
+    assert fits(manager, [3, 3, 3, 3, 3]) == (True, 0)
 
 
 def test_reusing_a_duplicate_block_keeps_the_entry_of_its_twin():
@@ -184,20 +194,20 @@ def test_reusing_a_duplicate_block_keeps_the_entry_of_its_twin():
 
 
 def test_hash_collision_with_other_tokens_is_a_miss(monkeypatch):
-    monkeypatch.setattr(block_manager_module, "hash_block_tokens", lambda token_ids, prefix_hash: 42)
+    monkeypatch.setattr(block_manager_module, "hash_block_key", lambda key: 42)
     manager = BlockManager(8, BLOCK_SIZE)
     admit_and_compute(manager, [1, 2, 3, 4, 5])
-    assert manager.can_allocate(make_seq([1, 2, 3, 4, 6])) == 1
+    assert fits(manager, [1, 2, 3, 4, 6]) == (True, 1)
     colliding = admit(manager, [9, 9, 9, 9, 5])
     assert colliding.num_cached_tokens == 0
-    assert manager.blocks[colliding.block_table[0]].ref_count == 1
+    assert manager.ref_counts[colliding.block_table[0]] == 1
 
 
 def test_caching_disabled_never_hits_nor_hashes():
     manager = BlockManager(8, BLOCK_SIZE, enable_prefix_caching=False)
     first = admit_and_compute(manager, list(range(9)))
     assert manager.hash_to_block_id == {}
-    assert manager.can_allocate(make_seq(list(range(9)))) == 0
+    assert fits(manager, list(range(9))) == (True, 0)
     second = admit(manager, list(range(9)))
     assert not set(second.block_table) & set(first.block_table)
     assert second.num_cached_tokens == 0 and second.num_prefix_hit_tokens == 0
@@ -210,7 +220,7 @@ def test_fully_cached_prompt_still_computes_its_last_block():
     assert second.num_cached_tokens == 4
     assert second.block_table[0] == first.block_table[0]
     assert second.block_table[1] != first.block_table[1]
-    assert manager.blocks[second.block_table[1]].ref_count == 1
+    assert manager.ref_counts[second.block_table[1]] == 1
 
 
 def test_prompt_with_cached_full_blocks_computes_one_token_in_a_new_block():
@@ -276,13 +286,79 @@ def test_may_append_takes_a_block_at_a_block_start():
     assert manager.num_free_blocks == 1
 
 
-def test_can_allocate_is_none_without_enough_free_blocks():
+def test_can_allocate_is_false_without_enough_free_blocks():
     manager = BlockManager(2, BLOCK_SIZE)
-    assert manager.can_allocate(make_seq(list(range(9)))) is None
-    assert manager.can_allocate(make_seq(list(range(8)))) == 0
+    assert not fits(manager, list(range(9)))[0]
+    assert fits(manager, list(range(8))) == (True, 0)
 
 
 @pytest.mark.parametrize("num_blocks, block_size", [(0, 4), (4, 0)])
 def test_bad_geometry_is_rejected(num_blocks, block_size):
     with pytest.raises(ValueError):
         BlockManager(num_blocks, block_size)
+
+
+def test_collision_guard_checks_the_parent_hash(monkeypatch):
+    # A hash that ignores the parent: only the stored key (parent hash + tokens) can tell the blocks apart.
+    monkeypatch.setattr(block_manager_module, "hash_block_key",
+                        lambda key: xxhash.xxh64_intdigest(key[-4 * BLOCK_SIZE:]))
+    manager = BlockManager(8, BLOCK_SIZE)
+    admit_and_compute(manager, [1, 1, 1, 1, 5, 6, 7, 8, 0])
+    admit_and_compute(manager, [9, 9, 9, 9, 0])
+    assert fits(manager, [9, 9, 9, 9, 5, 6, 7, 8, 0]) == (True, 1)
+    assert fits(manager, [1, 1, 1, 1, 5, 6, 7, 8, 0]) == (True, 2)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_free_queue_matches_an_ordered_dict_model(seed):
+    """Random takes, frees (hashed to the tail, unhashed to the head) and revivals, against OrderedDict."""
+    rng = random.Random(seed)
+    num_blocks = 12
+    queue, model = _FreeQueue(num_blocks), OrderedDict.fromkeys(range(num_blocks))
+    held: list[int] = []
+    hashed_free: set[int] = set()
+    for _ in range(400):
+        action = rng.randrange(3)
+        if action == 0 and model:
+            block_id = queue.pop_head()
+            assert block_id == model.popitem(last=False)[0]
+            hashed_free.discard(block_id)
+            held.append(block_id)
+        elif action == 1 and held:
+            block_id = held.pop(rng.randrange(len(held)))
+            model[block_id] = None
+            if rng.random() < 0.5:
+                queue.push_tail(block_id)
+                hashed_free.add(block_id)
+            else:
+                queue.push_head_unhashed(block_id)
+                model.move_to_end(block_id, last=False)
+        elif action == 2 and hashed_free:
+            block_id = rng.choice(sorted(hashed_free))
+            queue.remove(block_id)
+            del model[block_id]
+            hashed_free.discard(block_id)
+            held.append(block_id)
+        assert queue.ordered() == list(model) and len(queue) == len(model)
+
+
+def test_a_large_manager_is_flat():
+    manager = BlockManager(1_000_000, BLOCK_SIZE)
+    assert manager.num_free_blocks == 1_000_000 and manager.free_block_ids()[:3] == [0, 1, 2]
+    assert admit(manager, list(range(9))).block_table == [0, 1, 2]
+    assert manager.num_used_blocks == 3
+
+
+def test_each_block_of_a_sequence_is_hashed_once(monkeypatch):
+    manager = BlockManager(8, BLOCK_SIZE)
+    admit_and_compute(manager, list(range(9)))
+    calls = []
+    original = block_manager_module.hash_block_key
+    monkeypatch.setattr(block_manager_module, "hash_block_key", lambda key: calls.append(key) or original(key))
+    seq = admit(manager, list(range(8)) + [50, 51, 52, 53, 54])
+    assert seq.num_cached_tokens == 8
+    assert len(calls) == 3  # probe: two hits and one miss; allocate hashes nothing
+    manager.cached_prefix(seq)  # probed again (a waiting head that could not be admitted)
+    compute(manager, seq)  # registers the third block under the hash the probe computed
+    assert len(calls) == 3
+    assert fits(manager, list(range(8)) + [50, 51, 52, 53, 99]) == (True, 3)

@@ -256,7 +256,7 @@ def test_lone_sequence_without_room_preempts_itself():
     seq = make_seq(4)
     add(scheduler, seq)
     step(scheduler)
-    scheduler.block_manager.allocate(make_seq(1), 0)  # someone else holds the last block
+    scheduler.block_manager.allocate(make_seq(1), [])  # someone else holds the last block
     batch, _ = step(scheduler)
     assert batch.seqs == [] and not batch.is_prefill
     assert list(scheduler.waiting) == [seq] and list(scheduler.running) == []

@@ -3,43 +3,109 @@
 Every full block whose KV has been computed is registered under a hash that chains the previous
 block's hash with the block's token ids, so a later sequence with the same prefix reuses those blocks.
 Freed blocks keep their hash and wait in an LRU free queue: a hit revives one until it is reused.
+
+Per-block state lives in flat lists and arrays indexed by block id (no object per block), so a manager of
+millions of blocks is built in milliseconds: building costs a few zero-filled buffers, not a loop.
 """
 
 from array import array
-from collections import OrderedDict
 from collections.abc import Sequence as TokenIds
-from dataclasses import dataclass
 
 import xxhash
 
 from services.engine.core.sequence import Sequence
 
 
+def block_key(token_ids: TokenIds[int], prefix_hash: int | None) -> bytes:
+    """What a block's hash digests: the previous block's hash (none for the first block), then its token ids.
+
+    Kept per cached block as its collision guard: a hit counts only if the stored key equals the query's,
+    so both the tokens and the parent hash must match.
+    """
+    tokens = array("i", token_ids).tobytes()
+    return tokens if prefix_hash is None else prefix_hash.to_bytes(8, "little") + tokens
+
+
+def hash_block_key(key: bytes) -> int:
+    return xxhash.xxh64_intdigest(key)
+
+
 def hash_block_tokens(token_ids: TokenIds[int], prefix_hash: int | None) -> int:
     """xxh64 of one block's token ids chained with the hash of the block before it (None for the first)."""
-    hasher = xxhash.xxh64()
-    if prefix_hash is not None:
-        hasher.update(prefix_hash.to_bytes(8, "little"))
-    hasher.update(array("i", token_ids).tobytes())
-    return hasher.intdigest()
+    return hash_block_key(block_key(token_ids, prefix_hash))
 
 
-@dataclass(slots=True)
-class Block:
-    """One KV block. `block_hash` and `token_ids` are set once its KV is computed and it is full."""
+class _FreeQueue:
+    """The free blocks, oldest first, with O(1) take-from-head, push-head, push-tail and remove.
 
-    block_id: int
-    ref_count: int = 0
-    block_hash: int | None = None
-    token_ids: tuple[int, ...] = ()
+    NOTE: the queue is three runs, in order: blocks freed holding nothing cacheable (pushed at the head, so a
+    stack, newest first), blocks never used (ids `next_fresh..num_blocks-1`, implicit), and blocks freed
+    with a hash (pushed at the tail, a doubly linked list in two arrays with sentinel `num_blocks`). Only
+    hashed blocks are ever removed from the middle (revival), and they all sit in the linked list.
+    """
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.unhashed: list[int] = []
+        self.next_fresh = 0
+        self.num_linked = 0
+        sentinel = num_blocks
+        self.next = array("i", bytes(4 * (num_blocks + 1)))  # zero-filled: no Python loop over the blocks
+        self.prev = array("i", bytes(4 * (num_blocks + 1)))
+        self.next[sentinel] = self.prev[sentinel] = sentinel
+
+    def __len__(self) -> int:
+        return len(self.unhashed) + self.num_blocks - self.next_fresh + self.num_linked
+
+    def pop_head(self) -> int:
+        if self.unhashed:
+            return self.unhashed.pop()
+        if self.next_fresh < self.num_blocks:
+            self.next_fresh += 1
+            return self.next_fresh - 1
+        if not self.num_linked:
+            raise RuntimeError("no free KV block")
+        block_id = self.next[self.num_blocks]
+        self.remove(block_id)
+        return block_id
+
+    def push_head_unhashed(self, block_id: int) -> None:
+        self.unhashed.append(block_id)
+
+    def push_tail(self, block_id: int) -> None:
+        sentinel = self.num_blocks
+        last = self.prev[sentinel]
+        self.next[last] = block_id
+        self.prev[block_id] = last
+        self.next[block_id] = sentinel
+        self.prev[sentinel] = block_id
+        self.num_linked += 1
+
+    def remove(self, block_id: int) -> None:
+        """Unlink a block of the hashed run (a revived cache hit)."""
+        before, after = self.prev[block_id], self.next[block_id]
+        self.next[before] = after
+        self.prev[after] = before
+        self.num_linked -= 1
+
+    def ordered(self) -> list[int]:
+        """Every free block id, head first (for inspection and tests; O(num free))."""
+        block_ids = self.unhashed[::-1] + list(range(self.next_fresh, self.num_blocks))
+        block_id = self.next[self.num_blocks]
+        while block_id != self.num_blocks:
+            block_ids.append(block_id)
+            block_id = self.next[block_id]
+        return block_ids
 
 
 class BlockManager:
     """Hands out KV blocks to sequences and finds cached prefixes.
 
-    NOTE: the free queue is ordered oldest first: blocks are taken for new data from its head, and a
-    freed block goes to its tail (or to its head when it holds nothing cacheable), so the least recently
-    used cached blocks are evicted first.
+    Per block id: `ref_counts` (sequences holding it), `block_hashes` (set once its KV is computed and it is
+    full; kept while it waits free, so it can be revived) and `block_keys` (what that hash digests: the
+    collision guard). NOTE: the free queue is ordered oldest first: blocks are taken for new data from its
+    head, and a freed block goes to its tail (or to its head when it holds nothing cacheable), so the least
+    recently used cached blocks are evicted first.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -47,121 +113,127 @@ class BlockManager:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(block_id) for block_id in range(num_blocks)]
+        self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[int | None] = [None] * num_blocks
+        self.block_keys: list[bytes | None] = [None] * num_blocks
         self.hash_to_block_id: dict[int, int] = {}
-        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._free = _FreeQueue(num_blocks)
 
     @property
     def num_total_blocks(self) -> int:
-        return len(self.blocks)
+        return len(self.ref_counts)
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        return len(self._free)
 
     @property
     def num_used_blocks(self) -> int:
-        return len(self.blocks) - len(self.free_block_ids)
+        return len(self.ref_counts) - len(self._free)
 
-    def can_allocate(self, seq: Sequence) -> int | None:
-        """Number of leading blocks of `seq` served from the prefix cache, or None if its blocks can't be had.
+    def free_block_ids(self) -> list[int]:
+        """The free queue, head (next to be reused) first. O(num free blocks): for inspection only."""
+        return self._free.ordered()
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """Ids of the cached blocks that `seq` could reuse now (its last token is never among them).
+
+        NOTE: at least one token is always computed, in a block of its own, so the step yields logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        block_ids: list[int] = []
+        for index in range((len(seq.token_ids) - 1) // self.block_size):
+            self._extend_hash_chain(seq, index + 1)
+            block_id = self.hash_to_block_id.get(seq.block_hashes[index])
+            if block_id is None or self.block_keys[block_id] != seq.block_keys[index]:
+                break
+            block_ids.append(block_id)
+        return block_ids
+
+    def can_allocate(self, seq: Sequence, cached_block_ids: list[int]) -> bool:
+        """Whether `seq` can get its whole block table, reusing `cached_block_ids` (from cached_prefix).
 
         A hit on a block that sits in the free queue takes that block out of it, so it counts as used.
         """
-        cached_block_ids = self.cached_prefix(seq)
-        num_revived = sum(1 for block_id in cached_block_ids if self.blocks[block_id].ref_count == 0)
+        num_revived = sum(1 for block_id in cached_block_ids if self.ref_counts[block_id] == 0)
         num_new = seq.num_blocks(self.block_size) - len(cached_block_ids)
-        if num_new + num_revived > len(self.free_block_ids):
-            return None
-        return len(cached_block_ids)
+        return num_new + num_revived <= len(self._free)
 
-    def cached_prefix(self, seq: Sequence) -> list[int]:
-        """Ids of the cached blocks that `seq` could reuse now (its last token is never among them)."""
-        return self._match_prefix(seq, self._max_cached_blocks(seq))
+    def allocate(self, seq: Sequence, cached_block_ids: list[int]) -> None:
+        """Give `seq` its whole block table: the prefix hits `cached_block_ids`, then new blocks.
 
-    def allocate(self, seq: Sequence, num_cached_blocks: int) -> None:
-        """Give `seq` its whole block table: `num_cached_blocks` prefix hits (from can_allocate), then new blocks."""
+        NOTE: `cached_block_ids` must come from cached_prefix(seq) with no block manager call in between
+        (the scheduler does both within one schedule step), and can_allocate must have said yes.
+        """
         if seq.block_table:
             raise RuntimeError(f"sequence {seq.request_id} already holds blocks")
-        cached_block_ids = self._match_prefix(seq, num_cached_blocks)
-        if len(cached_block_ids) != num_cached_blocks:
-            raise RuntimeError("prefix cache changed between can_allocate and allocate")
+        ref_counts = self.ref_counts
         for block_id in cached_block_ids:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.free_block_ids[block_id]
-            block.ref_count += 1
-        num_new = seq.num_blocks(self.block_size) - num_cached_blocks
+            if ref_counts[block_id] == 0:
+                self._free.remove(block_id)
+            ref_counts[block_id] += 1
+        num_new = seq.num_blocks(self.block_size) - len(cached_block_ids)
         seq.block_table = cached_block_ids + [self._take_free_block() for _ in range(num_new)]
-        seq.num_cached_tokens = num_cached_blocks * self.block_size
+        seq.num_cached_tokens = len(cached_block_ids) * self.block_size
         if seq.num_preemptions == 0:
             seq.num_prefix_hit_tokens = seq.num_cached_tokens
 
     def deallocate(self, seq: Sequence) -> None:
         """Drop `seq`'s references; blocks nobody holds go back to the free queue, last block first."""
+        ref_counts = self.ref_counts
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count > 0:
+            ref_counts[block_id] -= 1
+            if ref_counts[block_id] > 0:
                 continue
-            self.free_block_ids[block_id] = None
-            if block.block_hash is None:
-                block.token_ids = ()
-                self.free_block_ids.move_to_end(block_id, last=False)
+            if self.block_hashes[block_id] is None:
+                self._free.push_head_unhashed(block_id)
+            else:
+                self._free.push_tail(block_id)
         seq.block_table = []
         seq.num_cached_tokens = 0
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the token `seq` computes next (its last one) has a slot, taking a free block if needed."""
-        return len(seq.block_table) >= seq.num_blocks(self.block_size) or bool(self.free_block_ids)
+        return len(seq.block_table) * self.block_size >= len(seq.token_ids) or len(self._free) > 0
 
     def may_append(self, seq: Sequence) -> None:
         """Add a block to `seq` when its last token starts a new one."""
-        if len(seq.block_table) < seq.num_blocks(self.block_size):
+        if len(seq.block_table) * self.block_size < len(seq.token_ids):
             seq.block_table.append(self._take_free_block())
 
     def hash_blocks(self, seq: Sequence) -> None:
         """Register the blocks that this step's computed tokens filled (call before num_cached_tokens moves)."""
         if not self.enable_prefix_caching:
             return
-        first = seq.num_cached_tokens // self.block_size
-        end = (seq.num_cached_tokens + seq.num_scheduled_tokens) // self.block_size
+        block_size = self.block_size
+        first = seq.num_cached_tokens // block_size
+        end = (seq.num_cached_tokens + seq.num_scheduled_tokens) // block_size
+        self._extend_hash_chain(seq, end)
         for index in range(first, end):
-            prefix_hash = self.blocks[seq.block_table[index - 1]].block_hash if index > 0 else None
-            if index > 0 and prefix_hash is None:
-                return
-            token_ids = seq.block_token_ids(index, self.block_size)
-            block = self.blocks[seq.block_table[index]]
-            block.block_hash = hash_block_tokens(token_ids, prefix_hash)
-            block.token_ids = tuple(token_ids)
-            self.hash_to_block_id[block.block_hash] = block.block_id
+            block_id = seq.block_table[index]
+            block_hash = seq.block_hashes[index]
+            self.block_hashes[block_id] = block_hash
+            self.block_keys[block_id] = seq.block_keys[index]
+            self.hash_to_block_id[block_hash] = block_id
 
-    def _max_cached_blocks(self, seq: Sequence) -> int:
-        """NOTE: at least one token is always computed, in a block of its own, so the step yields logits."""
-        if not self.enable_prefix_caching:
-            return 0
-        return (seq.num_tokens - 1) // self.block_size
-
-    def _match_prefix(self, seq: Sequence, limit: int) -> list[int]:
-        """Block ids of the longest cached prefix of `seq`, at most `limit` blocks."""
-        block_ids: list[int] = []
-        prefix_hash = None
-        for index in range(limit):
-            token_ids = seq.block_token_ids(index, self.block_size)
-            prefix_hash = hash_block_tokens(token_ids, prefix_hash)
-            block_id = self.hash_to_block_id.get(prefix_hash)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(token_ids):
-                break
-            block_ids.append(block_id)
-        return block_ids
+    def _extend_hash_chain(self, seq: Sequence, num_blocks: int) -> None:
+        """Hash `seq`'s leading full blocks up to `num_blocks`, each once per sequence (kept on it)."""
+        block_size = self.block_size
+        hashes, keys = seq.block_hashes, seq.block_keys
+        for index in range(len(hashes), num_blocks):
+            key = block_key(seq.token_ids[index * block_size:(index + 1) * block_size], hashes[-1] if hashes else None)
+            keys.append(key)
+            hashes.append(hash_block_key(key))
 
     def _take_free_block(self) -> int:
         """Take the least recently used free block for new data, evicting its cache entry."""
-        block_id, _ = self.free_block_ids.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.block_hash is not None and self.hash_to_block_id.get(block.block_hash) == block_id:
-            del self.hash_to_block_id[block.block_hash]
-        block.block_hash = None
-        block.token_ids = ()
-        block.ref_count = 1
+        block_id = self._free.pop_head()
+        block_hash = self.block_hashes[block_id]
+        if block_hash is not None:
+            if self.hash_to_block_id.get(block_hash) == block_id:
+                del self.hash_to_block_id[block_hash]
+            self.block_hashes[block_id] = None
+            self.block_keys[block_id] = None
+        self.ref_counts[block_id] = 1
         return block_id

@@ -57,23 +57,24 @@ class Scheduler:
     def _schedule_prefill(self) -> list[Sequence]:
         seqs: list[Sequence] = []
         num_batched_tokens = 0
+        block_manager = self.block_manager
         while self.waiting and len(seqs) < self.max_num_seqs:
             remaining = self.max_num_batched_tokens - num_batched_tokens
             if remaining <= 0:
                 break
             seq = self.waiting[0]
-            num_cached_blocks = None
+            cached_block_ids = None
             if seq.block_table:
                 num_new_tokens = seq.num_tokens - seq.num_cached_tokens
             else:
-                num_cached_blocks = self.block_manager.can_allocate(seq)
-                if num_cached_blocks is None:
+                cached_block_ids = block_manager.cached_prefix(seq)
+                if not block_manager.can_allocate(seq, cached_block_ids):
                     break
-                num_new_tokens = seq.num_tokens - num_cached_blocks * self.block_manager.block_size
+                num_new_tokens = seq.num_tokens - len(cached_block_ids) * block_manager.block_size
             if num_new_tokens > remaining and seqs:
                 break
-            if num_cached_blocks is not None:
-                self.block_manager.allocate(seq, num_cached_blocks)
+            if cached_block_ids is not None:
+                block_manager.allocate(seq, cached_block_ids)
                 self.num_cached_prompt_tokens += seq.num_cached_tokens
             seq.num_scheduled_tokens = min(num_new_tokens, remaining)
             num_batched_tokens += seq.num_scheduled_tokens
@@ -87,7 +88,11 @@ class Scheduler:
     def _schedule_decode(self) -> list[Sequence]:
         # NOTE: one token per sequence, so the token budget caps the batch as well as max_num_seqs.
         max_batch = min(self.max_num_seqs, self.max_num_batched_tokens)
-        seqs: list[Sequence] = []
+        if len(self.running) <= max_batch:
+            seqs = self._decode_all_without_preemption()
+            if seqs is not None:
+                return seqs
+        seqs = []
         while self.running and len(seqs) < max_batch:
             seq = self.running.popleft()
             if not self._make_room(seq):
@@ -96,6 +101,21 @@ class Scheduler:
             self.block_manager.may_append(seq)
             seqs.append(seq)
         self.running.extendleft(reversed(seqs))
+        return seqs
+
+    def _decode_all_without_preemption(self) -> list[Sequence] | None:
+        """The common step: every running sequence decodes and the free blocks cover the ones that start a
+        new block, so nobody is preempted and `running` keeps its order. None when that does not hold."""
+        block_manager = self.block_manager
+        block_size = block_manager.block_size
+        seqs = list(self.running)
+        growing = [seq for seq in seqs if len(seq.block_table) * block_size < len(seq.token_ids)]
+        if len(growing) > block_manager.num_free_blocks:
+            return None
+        for seq in seqs:
+            seq.num_scheduled_tokens = 1
+        for seq in growing:
+            block_manager.may_append(seq)
         return seqs
 
     def _make_room(self, seq: Sequence) -> bool:
@@ -124,24 +144,35 @@ class Scheduler:
         """
         if len(sampled_token_ids) != len(batch.seqs):
             raise RuntimeError(f"runner returned {len(sampled_token_ids)} tokens for {len(batch.seqs)} sequences")
+        if batch.is_prefill:
+            self.num_computed_prompt_tokens += batch.num_batched_tokens
+        block_size = self.block_manager.block_size
+        hash_blocks = self.block_manager.hash_blocks
         updated: list[Sequence] = []
+        any_finished = False
         for seq, token_id in zip(batch.seqs, sampled_token_ids):
-            self.block_manager.hash_blocks(seq)
-            seq.num_cached_tokens += seq.num_scheduled_tokens
-            if batch.is_prefill:
-                self.num_computed_prompt_tokens += seq.num_scheduled_tokens
+            num_cached_tokens = seq.num_cached_tokens + seq.num_scheduled_tokens
+            if num_cached_tokens // block_size != seq.num_cached_tokens // block_size:
+                hash_blocks(seq)  # this step filled a block
+            seq.num_cached_tokens = num_cached_tokens
             seq.num_scheduled_tokens = 0
-            if seq.num_cached_tokens < seq.num_tokens:
+            if num_cached_tokens < len(seq.token_ids):
                 continue
             if token_id is None:
                 raise RuntimeError(f"runner sampled no token for fully computed request {seq.request_id}")
-            seq.append_token(token_id)
-            self.num_generated_tokens += 1
-            seq.finish_reason = self._check_finish(seq, token_id)
-            if seq.finish_reason is not None:
+            seq.token_ids.append(token_id)
+            finish_reason = self._check_finish(seq, token_id)
+            if finish_reason is not None:
+                seq.finish_reason = finish_reason
                 self._finish(seq)
-                self.running.remove(seq)
+                any_finished = True
             updated.append(seq)
+        self.num_generated_tokens += len(updated)
+        if any_finished:
+            # NOTE: one pass per step, not a deque.remove per finished sequence.
+            survivors = [seq for seq in self.running if seq.status != SequenceStatus.FINISHED]
+            self.running.clear()
+            self.running.extend(survivors)
         return updated
 
     def _check_finish(self, seq: Sequence, token_id: int) -> FinishReason | None:
@@ -151,13 +182,14 @@ class Scheduler:
         earliest stop is the third completion token.
         """
         sampling = seq.sampling
-        if seq.num_completion_tokens > sampling.min_tokens:
+        num_completion_tokens = len(seq.token_ids) - seq.num_prompt_tokens
+        if num_completion_tokens > sampling.min_tokens:
             if token_id in sampling.stop_token_ids:
                 seq.matched_stop_token_id = token_id
                 return FinishReason.STOP
             if not sampling.ignore_eos and token_id in self.eos_token_ids:
                 return FinishReason.STOP
-        if seq.num_completion_tokens >= sampling.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_completion_tokens >= sampling.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

@@ -27,6 +27,10 @@ class Sequence:
     NOTE: `token_ids` is prompt + generated tokens. After a preemption the whole list is
     prefilled again, so "prompt" for the scheduler means everything not yet computed.
     `num_cached_tokens` counts tokens whose KV is in the cache (prefix hits plus computed ones).
+    `block_hashes` / `block_keys`: the prefix-cache hash chain of the leading full blocks of `token_ids`, as
+    far as the block manager has needed it (tokens are only appended, so it never goes stale).
+    NOTE: the block manager gives `block_table` a new list whenever it (de)allocates the sequence and only
+    appends to it in between; the runner's persistent block tables rely on that (see runner/block_tables.py).
     """
 
     seq_id: int
@@ -40,6 +44,8 @@ class Sequence:
     num_scheduled_tokens: int = 0
     num_prefix_hit_tokens: int = 0
     num_preemptions: int = 0
+    block_hashes: list[int] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     matched_stop_token_id: int | None = None
     arrival_time: float = 0.0
@@ -71,9 +77,6 @@ class Sequence:
     def num_blocks(self, block_size: int) -> int:
         """Blocks needed to hold every token of this sequence."""
         return (len(self.token_ids) + block_size - 1) // block_size
-
-    def block_token_ids(self, index: int, block_size: int) -> list[int]:
-        return self.token_ids[index * block_size:(index + 1) * block_size]
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -57,17 +57,13 @@ def estimate_cuda_graph_bytes(buffer_bytes: int, first_graph_bytes: int, next_gr
     return buffer_bytes + max(0, first_graph_bytes) + (num_graphs - 1) * max(0, next_graph_bytes)
 
 
-def _host_tensor(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda")
-
-
 class DecodeGraphBuffers:
     """The static decode inputs every captured graph reads, allocated once for the largest captured batch.
 
     token_data [3, max_batch_size] int64: input ids, positions, slot mapping (one row each);
     context_lens [max_batch_size] int32; block_tables [max_batch_size, max_blocks_per_seq] int32.
     Columns of block_tables past a row's context are stale and never read (every backend reads only the
-    blocks holding context_lens tokens).
+    blocks holding context_lens tokens), so a padding row only needs block 0 in its first column.
     """
 
     def __init__(self, max_batch_size: int, max_blocks_per_seq: int, block_size: int, device: torch.device):
@@ -85,22 +81,23 @@ class DecodeGraphBuffers:
         return sum(t.numel() * t.element_size() for t in (self.token_data, self.context_lens, self.block_tables))
 
     def fill(self, step: StepInputs, batch_size: int) -> None:
-        """Copy a decode step's n rows in and pad rows n..batch_size (three host-to-device copies)."""
-        num_seqs = len(step.input_ids)
+        """Copy a decode step's n rows in (three non-blocking copies from its host tensors) and make rows
+        n..batch_size padding."""
+        num_seqs = step.num_seqs
         if step.is_prefill or not 0 < num_seqs <= batch_size <= self.max_batch_size:
             raise ValueError(f"cannot fill a graph batch of {batch_size} with this step ({num_seqs} rows)")
-        width = len(step.block_tables[0])
+        width = step.block_tables.shape[1]
         if width > self.max_blocks_per_seq:
             raise ValueError(f"a block table of {width} blocks exceeds the graph's {self.max_blocks_per_seq}")
-        pad = batch_size - num_seqs
-        tokens = [step.input_ids + [PAD_TOKEN_ID] * pad, step.positions + [0] * pad,
-                  step.slot_mapping + [PAD_SLOT] * pad]
-        self.token_data[:, :batch_size].copy_(_host_tensor(tokens, torch.int64, self.device), non_blocking=True)
-        self.context_lens[:batch_size].copy_(
-            _host_tensor(step.context_lens + [PAD_CONTEXT_LEN] * pad, torch.int32, self.device), non_blocking=True)
-        tables = step.block_tables + [[0] * width] * pad
-        self.block_tables[:batch_size, :width].copy_(_host_tensor(tables, torch.int32, self.device),
-                                                     non_blocking=True)
+        self.token_data[:, :num_seqs].copy_(step.token_data, non_blocking=True)
+        self.context_lens[:num_seqs].copy_(step.context_lens, non_blocking=True)
+        self.block_tables[:num_seqs, :width].copy_(step.block_tables, non_blocking=True)
+        if num_seqs < batch_size:
+            self.token_data[0, num_seqs:batch_size].fill_(PAD_TOKEN_ID)
+            self.token_data[1, num_seqs:batch_size].zero_()
+            self.token_data[2, num_seqs:batch_size].fill_(PAD_SLOT)
+            self.context_lens[num_seqs:batch_size].fill_(PAD_CONTEXT_LEN)
+            self.block_tables[num_seqs:batch_size, 0].zero_()
 
     def pad_all(self, batch_size: int) -> None:
         """Make rows [0, batch_size) padding rows (what capture and warm-up run on)."""
@@ -170,7 +167,7 @@ class DecodeGraphs:
 
     def run(self, step: StepInputs) -> torch.Tensor | None:
         """Hidden states [n, hidden] of a decode step by graph replay, or None when no graph fits it."""
-        num_seqs = len(step.input_ids)
+        num_seqs = step.num_seqs
         batch_size = padded_batch_size(num_seqs, self.sizes)
         if batch_size is None or batch_size not in self.graphs:
             return None

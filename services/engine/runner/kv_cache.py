@@ -133,9 +133,8 @@ def size_kv_cache(runner, use_graphs: bool) -> int:
 
 def dummy_decode(num_seqs: int) -> StepInputs:
     """A decode step of num_seqs rows that each store to and read slot 0 of block 0 (profiling)."""
-    zeros = [0] * num_seqs
-    return StepInputs(False, zeros, zeros, zeros, [[0]] * num_seqs, list(range(num_seqs)),
-                      context_lens=[1] * num_seqs)
+    return StepInputs(False, torch.zeros(3, num_seqs, dtype=torch.int64), torch.zeros(num_seqs, 1, dtype=torch.int32),
+                      [1] * num_seqs, list(range(num_seqs)), context_lens=torch.ones(num_seqs, dtype=torch.int32))
 
 
 def profile_gpu_memory(runner) -> GpuMemorySnapshot:

@@ -21,7 +21,7 @@ from services.engine.layers.attention_backends.select import get_backend, suppor
 from services.engine.loader import load_model_config, load_weights
 from services.engine.models.registry import get_model_class
 from services.engine.runner.cuda_graphs import DecodeGraphBuffers, DecodeGraphs, graph_batch_sizes
-from services.engine.runner.inputs import StepInputs, build_decode, build_prefill, cacheless_prefill, to_model_inputs
+from services.engine.runner.inputs import StepInputBuilder, StepInputs, cacheless_prefill, to_model_inputs
 from services.engine.runner.kv_cache import allocate_kv_cache, bind_kv_cache, size_kv_cache, unbound_kv_cache
 from services.engine.runner.sampler import Sampler, make_sampling_batch, suppress_stop_tokens_below_min
 
@@ -64,6 +64,28 @@ def _default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+class SampledIds:
+    """Brings a step's sampled ids [S] to the host: on CUDA through a reusable pinned buffer, a non-blocking
+    copy and an event, so the host waits for exactly that copy (the one sync of a step) and nothing else."""
+
+    def __init__(self, max_num_seqs: int, device: torch.device):
+        self.device = device
+        if device.type == "cuda":
+            self.host = torch.empty(max(1, max_num_seqs), dtype=torch.int64, pin_memory=True)
+            self.event = torch.cuda.Event()
+
+    def to_host(self, token_ids: torch.Tensor) -> list[int]:
+        if self.device.type != "cuda":
+            return token_ids.tolist()
+        if token_ids.numel() > self.host.numel():
+            self.host = torch.empty(token_ids.numel(), dtype=torch.int64, pin_memory=True)
+        host = self.host[:token_ids.numel()]
+        host.copy_(token_ids, non_blocking=True)
+        self.event.record()
+        self.event.synchronize()
+        return host.tolist()
 
 
 class ModelRunner:
@@ -148,6 +170,8 @@ class ModelRunner:
     def _set_up_cache(self, use_graphs: bool) -> None:
         """Size (every rank agreeing), allocate and bind the KV cache, then capture the decode graphs."""
         self.sampler = Sampler(self.args.seed, self.device)
+        self.inputs = StepInputBuilder(self.block_size, self.max_blocks_per_seq, self.args.max_num_seqs, self.device)
+        self._sampled = SampledIds(self.args.max_num_seqs, self.device)
         self.graphs: DecodeGraphs | None = None
         self._attention_layers = self.model.attention_layers()
         self.num_kvcache_blocks = size_kv_cache(self, use_graphs)
@@ -216,11 +240,12 @@ class ModelRunner:
         """The step's logits [S, V] (None if nothing is sampled) and the batch position of each row."""
         if self._attention_layers[0].k_cache.data_ptr() != self.kv_cache.data_ptr():
             bind_kv_cache(self._attention_layers, self.kv_cache)  # another runner shares this model
-        build = build_prefill if batch.is_prefill else build_decode
-        step = build(batch.seqs, self.block_size)
+        step = self.inputs.build(batch)
         if self.tp_size > 1:
-            tp.broadcast_object(step)
-        return self.compute_logits(step), step.sample_seq_indices
+            tp.broadcast_object(step.detached())
+        logits = self.compute_logits(step)
+        self.inputs.inputs_enqueued()
+        return logits, step.sample_seq_indices
 
     @torch.inference_mode()
     def sample_on_device(self, batch: SchedulerOutput) -> tuple[torch.Tensor | None, list[int]]:
@@ -240,9 +265,13 @@ class ModelRunner:
         if not batch.seqs:
             return results
         token_ids, sample_seq_indices = self.sample_on_device(batch)
-        if token_ids is not None:
-            for i, token_id in zip(sample_seq_indices, token_ids.tolist()):
-                results[i] = token_id
+        if token_ids is None:
+            return results
+        sampled = self._sampled.to_host(token_ids)
+        if len(sampled) == len(results):  # every sequence sampled (always so in decode), in batch order
+            return sampled
+        for i, token_id in zip(sample_seq_indices, sampled):
+            results[i] = token_id
         return results
 
     @torch.inference_mode()
@@ -251,8 +280,8 @@ class ModelRunner:
         if self.tp_size > 1:
             raise NotImplementedError("score() runs on a single rank only")
         step = cacheless_prefill([token_ids])
-        step.logits_indices = list(range(len(token_ids)))
-        step.sample_seq_indices = step.logits_indices
+        step.logits_indices = torch.arange(len(token_ids))
+        step.sample_seq_indices = list(range(len(token_ids)))
         with unbound_kv_cache(self._attention_layers):
             return self.compute_logits(step).float()
 
