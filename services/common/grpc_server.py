@@ -2,6 +2,7 @@
 
 import asyncio
 import contextvars
+import inspect
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Iterable
@@ -127,6 +128,11 @@ def _wrap_unary(behavior):
 
 
 def _wrap_stream(behavior):
+    if inspect.iscoroutinefunction(behavior):
+        # The reader/writer form (responses sent with `await context.write(...)`), e.g. Health/Watch: wrapped as a
+        # coroutine, since grpc.aio picks the calling convention from the handler's type.
+        return _wrap_unary(behavior)
+
     async def wrapped(request, context):
         try:
             async for response in behavior(request, context):
