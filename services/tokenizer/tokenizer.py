@@ -94,6 +94,11 @@ class TextTokenizer:
         return self._hf
 
     @property
+    def backend_tokenizer(self) -> Any:
+        """The `tokenizers.Tokenizer` behind a fast tokenizer (None for a slow one); the detokenizer streams with it."""
+        return self._backend
+
+    @property
     def vocab_size(self) -> int:
         """The full id space, added tokens included."""
         return len(self._hf)
