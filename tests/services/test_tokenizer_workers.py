@@ -100,6 +100,12 @@ def wait_listening(process: ServiceProcess, num_processes: int) -> list[int]:
                       120, f"{num_processes} processes listening")
 
 
+def assert_all_exit(pids: list[int]) -> None:
+    """Every process in `pids` is gone (multiprocessing's resource tracker leaves just after its parent)."""
+    poll_until(lambda: True if not [pid for pid in pids if Path(f"/proc/{pid}").exists()] else None,
+               EXIT_TIMEOUT_S, f"processes {pids} to exit")
+
+
 def greedy_request(max_tokens: int) -> textgen_pb2.GenerateRequest:
     request = textgen_pb2.GenerateRequest(text=PROMPT)
     request.sampling.temperature = 0.0
@@ -157,7 +163,7 @@ def test_a_signal_drains_every_worker_and_leaves_no_process(workers, sig):
     finally:
         for channel in channels:
             channel.close()
-    assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]
+    assert_all_exit(children)
 
 
 def test_a_worker_that_dies_stops_the_service_with_an_error(stack, tokenizer_dir):
@@ -169,7 +175,7 @@ def test_a_worker_that_dies_stops_the_service_with_an_error(stack, tokenizer_dir
         os.kill(worker, signal.SIGKILL)  # as the out-of-memory killer does
         assert process.proc.wait(EXIT_TIMEOUT_S) == 1, process.log_tail()
         assert "exited unexpectedly" in process.log_tail()
-        assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]
+        assert_all_exit(children)
     finally:
         process.stop()
 
