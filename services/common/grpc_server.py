@@ -2,6 +2,7 @@
 
 import asyncio
 import contextvars
+import inspect
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Iterable
@@ -20,8 +21,10 @@ from services.common.errors import (
     UnavailableError,
     UpstreamStatusError,
 )
+from services.common.reuseport import WorkerGroup
 
 logger = logging.getLogger(__name__)
+WORKER_EXIT_MARGIN_S = 10.0
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
 # Long generation streams: allow client pings without data and never punish them (ARCHITECTURE.md §4).
@@ -53,7 +56,7 @@ class RequestIdLogFilter(logging.Filter):
 def configure_logging(level: str = "INFO") -> None:
     handler = logging.StreamHandler()
     handler.addFilter(RequestIdLogFilter())
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(process)d %(name)s [%(request_id)s] %(message)s"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
 
 
@@ -127,6 +130,11 @@ def _wrap_unary(behavior):
 
 
 def _wrap_stream(behavior):
+    if inspect.iscoroutinefunction(behavior):
+        # The reader/writer form (responses sent with `await context.write(...)`), e.g. Health/Watch: wrapped as a
+        # coroutine, since grpc.aio picks the calling convention from the handler's type.
+        return _wrap_unary(behavior)
+
     async def wrapped(request, context):
         try:
             async for response in behavior(request, context):
@@ -164,9 +172,18 @@ class ServingState:
 
 
 def build_server(service_names: Iterable[str], state: ServingState,
-                 add_servicers: Callable[[grpc.aio.Server], None]) -> grpc.aio.Server:
-    """A grpc.aio server with error mapping, health, reflection and keepalive settings."""
-    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=SERVER_OPTIONS)
+                 add_servicers: Callable[[grpc.aio.Server], None], reuse_port: bool = False,
+                 max_receive_bytes: int | None = None) -> grpc.aio.Server:
+    """A grpc.aio server with error mapping, health, reflection and keepalive settings.
+
+    reuse_port: bind with SO_REUSEPORT, for several processes on one port (services.common.reuseport).
+    max_receive_bytes: the largest request message accepted (default 64 MiB); larger ones get RESOURCE_EXHAUSTED.
+    """
+    options = [*SERVER_OPTIONS, ("grpc.so_reuseport", 1 if reuse_port else 0)]
+    if max_receive_bytes is not None:
+        options = [(key, max_receive_bytes if key == "grpc.max_receive_message_length" else value)
+                   for key, value in options]
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=options)
     add_servicers(server)
     health_pb2_grpc.add_HealthServicer_to_server(state.health, server)
     names = list(service_names) + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -177,10 +194,14 @@ def build_server(service_names: Iterable[str], state: ServingState,
 
 async def run_until_signalled(server: grpc.aio.Server, state: ServingState, grace_s: float,
                               on_stop: Callable[[], Awaitable[None]] | None = None,
+                              workers: WorkerGroup | None = None, handle_sigint: bool = True,
                               on_signal: Callable[[], None] | None = None) -> None:
     """Serve until SIGINT/SIGTERM, then report NOT_SERVING, let streams finish for grace_s and stop.
 
-    `on_signal` runs as soon as the signal arrives (e.g. to pass it on to worker processes).
+    With `workers` (the other processes on this port), a signal is passed on to them as SIGTERM, and a worker
+    that exits on its own stops this process too (workers.exit_code is then 1); the workers are joined last.
+    handle_sigint=False in a worker process: its parent turns Ctrl-C into one SIGTERM per worker.
+    `on_signal` runs as soon as a signal arrives.
     """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -190,11 +211,20 @@ async def run_until_signalled(server: grpc.aio.Server, state: ServingState, grac
             on_signal()
         stop.set()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM) if handle_sigint else (signal.SIGTERM,):
         loop.add_signal_handler(sig, signalled)
-    await stop.wait()
+    waiters = [asyncio.create_task(stop.wait())]
+    if workers is not None:
+        waiters.append(asyncio.create_task(workers.wait_exit()))
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for waiter in waiters:
+        waiter.cancel()
+    if workers is not None:
+        workers.stop()
     logger.info("draining: health NOT_SERVING, grace %.1fs", grace_s)
     await state.mark_draining()
     await server.stop(grace_s)
     if on_stop is not None:
         await on_stop()
+    if workers is not None:
+        await asyncio.to_thread(workers.join, grace_s + WORKER_EXIT_MARGIN_S)

@@ -17,10 +17,18 @@ output ids, invalid byte sequences included (unless the prompt ends mid-characte
 genuine U+FFFD at the end of a token's text is held until the next token or flush. Decoders that
 replace whole runs of byte-fallback tokens (SentencePiece `<0x..>`) agree on valid text; on invalid
 byte runs they may differ in the number of U+FFFD characters.
+
+With a `tokenizers` backend (a TextTokenizer, a transformers fast tokenizer or a `tokenizers.Tokenizer`), the
+same method runs inside that library: `tokenizers.decoders.DecodeStream` keeps the window in Rust, one call
+per token instead of two decodes of Python lists (bench/detokenize.py measures both). The deltas are the same
+(tests/tokenizer/test_detokenizer.py runs every case both ways). Any other Decoder gets the window method.
 """
 
 from collections.abc import Iterable, Sequence
 from typing import Protocol
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 REPLACEMENT_CHAR = "\ufffd"
 INITIAL_CONTEXT_TOKENS = 5
@@ -34,11 +42,12 @@ class Decoder(Protocol):
 
 
 class IncrementalDetokenizer:
-    """Turns one request's generated ids into text deltas (see the module docstring)."""
+    """Turns one request's generated ids into text deltas (see the module docstring). flush() ends the stream."""
 
-    def __init__(self, tokenizer: Decoder, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._tokenizer: Decoder = backend if backend is not None else tokenizer
+    def __init__(self, tokenizer: Decoder, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True,
+                 use_decode_stream: bool = True):
+        backend = tokenizer if isinstance(tokenizer, Tokenizer) else getattr(tokenizer, "backend_tokenizer", None)
+        self._tokenizer: Decoder = backend if isinstance(backend, Tokenizer) else tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._window: list[int] = list(prompt_ids[max(0, len(prompt_ids) - INITIAL_CONTEXT_TOKENS) :])
         self._read = len(self._window)
@@ -49,6 +58,9 @@ class IncrementalDetokenizer:
         self._num_pending = 0
         self._parts: list[str] = []
         self._text_cache: str | None = ""
+        self._stream: DecodeStream | None = None
+        if use_decode_stream and isinstance(backend, Tokenizer):
+            self._start_stream()
 
     @property
     def text(self) -> str:
@@ -64,19 +76,50 @@ class IncrementalDetokenizer:
 
     def step(self, new_ids: Iterable[int]) -> str:
         """Add generated ids; return the text they complete (possibly empty), never a partial character."""
-        deltas = [self._step_one(token_id) for token_id in new_ids]
-        return self._emit("".join(deltas))
+        step_one = self._step_stream if self._stream is not None else self._step_window
+        return self._emit("".join([step_one(token_id) for token_id in new_ids]))
 
     def flush(self) -> str:
         """End of the stream: return whatever is still held, invalid bytes shown as U+FFFD."""
         if self._num_pending == 0:
             return ""
+        if self._stream is not None:  # the window method's state, from the stream's: then flush as it does
+            self._stream = None
+            self._window, self._read = self._context + self._pending, len(self._context)
+            self._prefix_text = self._decode(self._context)
         text = self._decode(self._window)
         delta = text[len(self._prefix_text) :] if len(text) > len(self._prefix_text) else ""
         self._advance(len(self._window), "")
         return self._emit(delta)
 
-    def _step_one(self, token_id: int) -> str:
+    def _start_stream(self) -> None:
+        """The window so far as a DecodeStream: the settled context is its prefix; the ids after it (a prompt
+        that ends mid-character) are stepped in and stay pending, as in the window method."""
+        self._context: list[int] = self._window[: self._read]  # the ids of the stream's prefix
+        self._pending: list[int] = self._window[self._read :]  # ids stepped in since that prefix
+        self._stream = DecodeStream(ids=self._context, skip_special_tokens=self._skip_special_tokens)
+        for token_id in self._pending:
+            self._stream.step(self._tokenizer, token_id)
+
+    def _step_stream(self, token_id: int) -> str:
+        try:
+            delta = self._stream.step(self._tokenizer, token_id)
+        except Exception:  # noqa: BLE001 (the new text does not extend the prefix: let the window method judge)
+            self._stream = None
+            self._window, self._read = self._context + self._pending, len(self._context)
+            self._prefix_text = self._decode(self._context)
+            return self._step_window(token_id)
+        if delta is None:
+            self._pending.append(token_id)
+            if self._num_pending or self._decode([token_id]):  # else a token without text (a skipped special)
+                self._num_pending += 1
+            return ""
+        self._pending.append(token_id)
+        self._context, self._pending = self._pending, []
+        self._num_pending = 0
+        return delta
+
+    def _step_window(self, token_id: int) -> str:
         self._window.append(token_id)
         self._num_pending += 1
         text = self._decode(self._window)

@@ -62,6 +62,63 @@ class EngineClient:
         await self.channel.close()
 
 
+class EngineStream:
+    """One engine Generate call, read by its own task so that a slow client never holds up the engine stream.
+
+    take() returns every token id that arrived since the previous take(), with the newest engine message (its
+    usage and finish reason are the current ones), so a client that reads slower than the engine streams gets
+    one message per write it can take instead of one per engine step.
+    """
+
+    def __init__(self, call):
+        self._call = call
+        self._ids: list[int] = []
+        self._last: engine_pb2.GenerateResponse | None = None
+        self._num_new = 0
+        self._ended = False
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future | None = None
+        self._task = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        try:
+            async for response in self._call:
+                self._ids += response.token_ids
+                self._last = response
+                self._num_new += 1
+                if self._waiter is not None:
+                    self._wake()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (handed to take(), which raises it in the handler)
+            self._error = exc
+        finally:
+            self._ended = True
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def take(self) -> tuple[list[int], engine_pb2.GenerateResponse | None]:
+        """(ids since the last take, the newest engine message); None once the call ended without new messages."""
+        if not self._num_new and not self._ended:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+            self._waiter = None
+        if not self._num_new:
+            if self._error is not None:
+                raise self._error
+            return [], None
+        ids, self._ids, self._num_new = self._ids, [], 0
+        return ids, self._last
+
+    def cancel(self) -> None:
+        """Cancel the engine call (the engine aborts the request) and stop reading."""
+        self._call.cancel()
+        self._task.cancel()
+
+
 def upstream_error(exc: grpc.aio.AioRpcError) -> Exception:
     """Map an engine call's failure to the typed error our interceptor turns into the client's status."""
     if exc.code() == grpc.StatusCode.UNAVAILABLE:

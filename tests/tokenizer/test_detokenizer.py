@@ -1,4 +1,7 @@
-"""IncrementalDetokenizer with the real default-model tokenizer: exact, append-only, no broken characters."""
+"""IncrementalDetokenizer with the real default-model tokenizer: exact, append-only, no broken characters.
+
+Every case runs twice: with tokenizers' DecodeStream (the default) and with the Python window method.
+"""
 
 import random
 
@@ -16,11 +19,26 @@ TEXTS = {
     "mixed": "Prix: 12,50 € — naïve café, Ωμέγα, привет, مرحبا, 🚀 and 漢字 ok",
 }
 PROMPT = "Write something:"
+_MODE = {"use_decode_stream": True}
+
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["decode_stream", "window"])
+def detokenizer_mode(request):
+    _MODE["use_decode_stream"] = request.param
+    yield request.param
+    _MODE["use_decode_stream"] = True
+
+
+def make_detokenizer(tok, prompt_ids=(), skip_special_tokens=True):
+    detok = IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens, use_decode_stream=_MODE["use_decode_stream"])
+    uses_stream = detok._stream is not None
+    assert uses_stream == (_MODE["use_decode_stream"] and not isinstance(tok, CountingTokenizer))
+    return detok
 
 
 def stream(tok, prompt_ids, output_ids, skip_special_tokens=True, chunk_sizes=(1,)):
     """Feed `output_ids` in chunks cycling through `chunk_sizes`; return the deltas (flush included)."""
-    detok = IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens)
+    detok = make_detokenizer(tok, prompt_ids, skip_special_tokens)
     deltas, start, i = [], 0, 0
     while start < len(output_ids):
         size = chunk_sizes[i % len(chunk_sizes)]
@@ -52,7 +70,7 @@ def test_deltas_equal_the_full_decode(text_tokenizer, name):
 def test_text_is_released_as_soon_as_a_token_completes_its_characters(text_tokenizer, name):
     tok = text_tokenizer
     output_ids = tok.encode(TEXTS[name], add_special_tokens=False)
-    detok = IncrementalDetokenizer(tok, tok.encode(PROMPT))
+    detok = make_detokenizer(tok, tok.encode(PROMPT))
     settled_text = ""
     for k in range(1, len(output_ids) + 1):
         detok.step(output_ids[k - 1 : k])
@@ -85,7 +103,7 @@ def test_random_ids_hit_characters_split_across_tokens(text_tokenizer):
 def test_a_character_split_into_single_byte_tokens(text_tokenizer, char):
     tok = text_tokenizer
     output_ids = byte_token_ids(tok, f"a{char}b".encode())
-    detok = IncrementalDetokenizer(tok, tok.encode(PROMPT))
+    detok = make_detokenizer(tok, tok.encode(PROMPT))
     deltas = [detok.step([token_id]) for token_id in output_ids] + [detok.flush()]
     assert "".join(deltas) == f"a{char}b"
     assert not any(REPLACEMENT_CHAR in d for d in deltas)
@@ -123,7 +141,7 @@ def test_special_tokens_skipped_or_kept(text_tokenizer, skip_special_tokens):
 def test_held_invalid_bytes_are_released_by_flush(text_tokenizer):
     tok = text_tokenizer
     output_ids = tok.encode("ok", add_special_tokens=False) + byte_token_ids(tok, "😀".encode()[:2])
-    detok = IncrementalDetokenizer(tok, tok.encode(PROMPT))
+    detok = make_detokenizer(tok, tok.encode(PROMPT))
     assert detok.step(output_ids) == "ok"
     assert detok.num_pending_ids == 2
     assert detok.flush() == tok.decode(output_ids)[len("ok") :]
@@ -155,5 +173,22 @@ def test_work_per_token_does_not_grow_with_the_output(text_tokenizer):
 def test_a_transformers_tokenizer_works_as_the_decoder(text_tokenizer):
     tok = text_tokenizer
     output_ids = tok.encode(TEXTS["mixed"], add_special_tokens=False)
-    detok = IncrementalDetokenizer(tok.hf_tokenizer, tok.encode(PROMPT))
+    detok = make_detokenizer(tok.hf_tokenizer, tok.encode(PROMPT))
     assert detok.step(output_ids) + detok.flush() == TEXTS["mixed"]
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_both_methods_give_the_same_deltas_step_by_step(text_tokenizer, skip_special_tokens, detokenizer_mode):
+    if not detokenizer_mode:
+        pytest.skip("compares the two methods once")
+    tok = text_tokenizer
+    rng = random.Random(99)
+    for trial in range(6):
+        output_ids = [rng.randrange(tok.vocab_size) for _ in range(300)]
+        prompt_ids = tok.encode("Go: ") + byte_token_ids(tok, "😀".encode()[: trial % 4])
+        stream_detok = IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens)
+        window_detok = IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens, use_decode_stream=False)
+        for token_id in output_ids:
+            assert stream_detok.step([token_id]) == window_detok.step([token_id])
+            assert stream_detok.num_pending_ids == window_detok.num_pending_ids
+        assert stream_detok.flush() == window_detok.flush()

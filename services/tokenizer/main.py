@@ -1,0 +1,99 @@
+"""`llmserve-tokenizer` (`python -m services.tokenizer`): the public API in front of an engine service.
+
+With `--workers N`, N processes share the port (services.common.reuseport); each is a full relay with its
+own tokenizer, engine channel and health. This process is the first of them and prints the listening line.
+"""
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from services.common.grpc_server import ServingState, build_server, configure_logging, run_until_signalled
+from services.common.reuseport import WorkerGroup, reserve_port
+
+logger = logging.getLogger("llmserve.tokenizer")
+MAX_DEFAULT_WORKERS = 4
+
+
+def default_workers() -> int:
+    """A quarter of the usable cores, 1 to 4. The engine's core process and its API fronts need cores too."""
+    return max(1, min(MAX_DEFAULT_WORKERS, len(os.sched_getaffinity(0)) // 4))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="llmserve-tokenizer",
+                                     description="llmserve tokenizer service (public TextGenerationService)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in containers)")
+    parser.add_argument("--port", type=int, default=50051, help="port to listen on (0 = any free port)")
+    parser.add_argument("--engine", default="127.0.0.1:50052", help="engine service address HOST:PORT")
+    parser.add_argument("--model", default=None,
+                        help="tokenizer source: HF checkpoint directory or .gguf file (default: the embedded model)")
+    parser.add_argument("--workers", type=int, default=default_workers(),
+                        help="processes serving the port; each relays ~8k tokens/s per core "
+                             f"(default: a quarter of the cores, 1 to {MAX_DEFAULT_WORKERS}; here {default_workers()})")
+    parser.add_argument("--default-max-tokens", type=int, default=256,
+                        help="max_tokens when a request leaves it unset (capped by max_model_len)")
+    parser.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get on SIGTERM")
+    parser.add_argument("--log-level", default=os.environ.get("LLMSERVE_LOG_LEVEL", "INFO"))
+    args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
+    if args.model == "":
+        args.model = None
+    return args
+
+
+async def serve(args: argparse.Namespace, port: int, workers: WorkerGroup | None = None) -> None:
+    """One relay process on `port`; the first one (the caller of main) also supervises `workers`."""
+    from services.tokenizer.engine_client import EngineClient
+    from services.tokenizer.limits import InputLimits
+    from services.tokenizer.server import SERVICE_NAME, TextGenerationServicer, keep_health_in_step
+    from services.tokenizer.tokenizer import TextTokenizer
+
+    tokenizer = await asyncio.to_thread(TextTokenizer.load, args.model)
+    engine = EngineClient(args.engine, tokenizer.fingerprint())
+    state = ServingState(SERVICE_NAME)
+    limits = await asyncio.to_thread(InputLimits.of, tokenizer)
+    servicer = TextGenerationServicer(tokenizer, engine, state, args.default_max_tokens, limits)
+    server = build_server([SERVICE_NAME], state, servicer.register, reuse_port=args.workers > 1,
+                          max_receive_bytes=limits.receive_bytes(tokenizer.context_length()))
+    port = server.add_insecure_port(f"{args.host}:{port}")
+    await server.start()
+    await state.mark_alive()
+    is_first = workers is not None
+    if is_first:
+        print(f"llmserve-tokenizer listening on {args.host}:{port} (engine {args.engine}, "
+              f"{args.workers} worker{'s' if args.workers > 1 else ''})", flush=True)
+    watcher = asyncio.create_task(keep_health_in_step(engine, state))
+
+    async def stop_watch() -> None:
+        watcher.cancel()
+        await engine.close()
+
+    await run_until_signalled(server, state, args.grace_period, stop_watch, workers, handle_sigint=is_first)
+
+
+def serve_worker(args: argparse.Namespace, port: int) -> None:
+    """Entry of the extra worker processes (spawned: a fresh interpreter each)."""
+    configure_logging(args.log_level)
+    asyncio.run(serve(args, port))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    configure_logging(args.log_level)
+    if args.workers == 1:  # no port sharing: a second server on the same port fails to bind, as it should
+        workers = WorkerGroup(serve_worker, args, args.port, 0)
+        asyncio.run(serve(args, args.port, workers))
+    else:
+        with reserve_port(args.host, args.port) as port, \
+                WorkerGroup(serve_worker, args, port, args.workers - 1, "tokenizer-worker") as workers:
+            asyncio.run(serve(args, port, workers))
+    if workers.exit_code:
+        sys.exit(workers.exit_code)
+
+
+if __name__ == "__main__":
+    main()
