@@ -194,25 +194,17 @@ def build_server(service_names: Iterable[str], state: ServingState,
 
 async def run_until_signalled(server: grpc.aio.Server, state: ServingState, grace_s: float,
                               on_stop: Callable[[], Awaitable[None]] | None = None,
-                              workers: WorkerGroup | None = None, handle_sigint: bool = True,
-                              on_signal: Callable[[], None] | None = None) -> None:
+                              workers: WorkerGroup | None = None, handle_sigint: bool = True) -> None:
     """Serve until SIGINT/SIGTERM, then report NOT_SERVING, let streams finish for grace_s and stop.
 
     With `workers` (the other processes on this port), a signal is passed on to them as SIGTERM, and a worker
     that exits on its own stops this process too (workers.exit_code is then 1); the workers are joined last.
     handle_sigint=False in a worker process: its parent turns Ctrl-C into one SIGTERM per worker.
-    `on_signal` runs as soon as a signal arrives.
     """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-
-    def signalled() -> None:
-        if not stop.is_set() and on_signal is not None:
-            on_signal()
-        stop.set()
-
     for sig in (signal.SIGINT, signal.SIGTERM) if handle_sigint else (signal.SIGTERM,):
-        loop.add_signal_handler(sig, signalled)
+        loop.add_signal_handler(sig, stop.set)
     waiters = [asyncio.create_task(stop.wait())]
     if workers is not None:
         waiters.append(asyncio.create_task(workers.wait_exit()))

@@ -62,7 +62,10 @@ def reserve_port(host: str, port: int) -> Iterator[int]:
         sock.close()
 
 
-def _worker_main(entry: Callable[[Any, int], None], args: Any, port: int, parent_pid: int) -> None:
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+def _worker_main(entry: Callable[..., None], args: Any, port: int, parent_pid: int, extra: tuple) -> None:
     """A worker process: die with the parent, leave Ctrl-C to the parent, then serve."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -71,7 +74,8 @@ def _worker_main(entry: Callable[[Any, int], None], args: Any, port: int, parent
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Until the server installs its own handler (it loads its tokenizer or model first), SIGTERM means a clean exit.
     signal.signal(signal.SIGTERM, _exit_cleanly)
-    entry(args, port)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked by start(), see there
+    entry(args, port, *extra)
 
 
 def _exit_cleanly(signum, frame) -> None:
@@ -81,13 +85,15 @@ def _exit_cleanly(signum, frame) -> None:
 class WorkerGroup:
     """The extra processes of a front that serves one port from several processes (see the module docstring)."""
 
-    def __init__(self, entry: Callable[[Any, int], None], args: Any, port: int, num_workers: int,
-                 name: str = "worker"):
+    def __init__(self, entry: Callable[..., None], args: Any, port: int, num_workers: int,
+                 name: str = "worker", extra_args: list[tuple] | None = None):
+        """`extra_args[i]`, when given, is passed to worker i + 1 after (args, port), e.g. its own connection."""
         self._entry = entry
         self._args = args
         self._port = port
         self._name = name
         self._num_workers = num_workers
+        self._extra_args = extra_args or [()] * num_workers
         self.processes: list[multiprocessing.process.BaseProcess] = []
         self.stopping = False
         self.failed = False
@@ -109,8 +115,15 @@ class WorkerGroup:
         context = multiprocessing.get_context("spawn")
         for index in range(1, self._num_workers + 1):
             process = context.Process(target=_worker_main, name=f"{self._name}-{index}",
-                                      args=(self._entry, self._args, self._port, os.getpid()))
-            process.start()
+                                      args=(self._entry, self._args, self._port, os.getpid(),
+                                            self._extra_args[index - 1]))
+            # NOTE: the child starts with stop signals blocked (the mask survives exec) until _worker_main has
+            # its handler in place: a drain that begins while it is still importing must not kill it (-15).
+            signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+            try:
+                process.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
             self.processes.append(process)
         if self.processes:
             logger.info("started %d %s processes on port %d: pids %s", len(self.processes), self._name, self._port,
