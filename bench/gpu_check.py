@@ -277,6 +277,10 @@ def table_rows(results: Path) -> tuple[list[tuple[str, str]], bool]:
                     ("passed" in line or "failed" in line or "error" in line)), "")
     rows = [("kernel + gpu_path tests", f"PASS: {summary}" if kernels == "ok" else f"FAIL ({kernels}): {summary}")]
     passed = kernels == "ok"
+    warmup, _ = _step(results, "warmup")  # builds ahead of the tests; informational, never judged
+    if warmup != "not run":
+        log = (results / "warmup.log").read_text() if (results / "warmup.log").exists() else ""
+        rows.insert(0, ("warm-up (not judged)", f"{warmup}: {log.strip().splitlines()[-1] if log.strip() else ''}"))
     state, eq = _step(results, "equiv")
     passed &= eq is not None and eq["status"] == "pass"
     if eq:

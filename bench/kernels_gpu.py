@@ -240,9 +240,10 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         flash_attn = None
     dtype, gen, bench = getattr(torch, args.dtype), torch.Generator(device=device).manual_seed(0), timer(device)
+    block_m, block_n = prefill_attention.prefill_tiles(dtype, args.head_dim)
     print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (interpreter)'}, "
-          f"Hq={args.q_heads} Hkv={args.kv_heads} D={args.head_dim} {args.dtype}, flash-attn "
-          f"{'yes' if flash_attn else 'no'}")
+          f"Hq={args.q_heads} Hkv={args.kv_heads} D={args.head_dim} {args.dtype}, prefill tiles {block_m}x{block_n}, "
+          f"flash-attn {'yes' if flash_attn else 'no'}")
     rows = bench_store_kv(torch, store_kv, args, dtype, device, gen, bench)
     rows += bench_decode(torch, decode_attention, args, dtype, device, gen, bench, flash_attn)
     rows += bench_prefill(torch, prefill_attention, args, dtype, device, gen, bench, flash_attn)

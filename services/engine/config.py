@@ -15,7 +15,8 @@ class EngineArgs:
     sized from free GPU memory times gpu_memory_utilization, or a fixed byte budget on CPU.
     enforce_eager: no CUDA graphs (decode steps run eagerly too).
     tensor_parallel_size: shard the model over this many processes (GPUs; gloo processes on CPU), which
-    rendezvous on 127.0.0.1:distributed_port.
+    rendezvous on 127.0.0.1:distributed_port (0: a free port chosen at launch, so several engines can share
+    a host).
     """
 
     model: str | None = None
@@ -32,7 +33,7 @@ class EngineArgs:
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
-    distributed_port: int = 29555
+    distributed_port: int = 0
     max_waiting: int = 0
     seed: int = 0
 

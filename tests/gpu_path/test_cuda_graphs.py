@@ -121,6 +121,11 @@ def test_padded_decode_through_the_buffers_equals_eager_and_padding_stores_nothi
         replayed = graphs.run(step)
     assert replayed.shape == (3, TINY_CONFIG.hidden_size) and replayed.isfinite().all()
     torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
-    assert torch.equal(cache, after_eager), "padded rows must not write the KV cache"
+    # The real rows' K/V may differ from eager in the last bits (a batch of 4, not 3, in the projections' matmul).
+    written = torch.zeros(cache.shape[2:4], dtype=torch.bool)  # [num_blocks, block_size]
+    for slot in step.slot_mapping:
+        written[slot // 4, slot % 4] = True
+    torch.testing.assert_close(cache[:, :, written], after_eager[:, :, written], rtol=1e-5, atol=1e-5)
+    assert torch.equal(cache[:, :, ~written], before[:, :, ~written]), "padded rows must not write the KV cache"
     assert graphs.outputs[4][3].isfinite().all(), "a padded row's output must stay finite"
     assert graphs.run(build_decode(_decode_seqs() * 3, 4)) is None, "9 rows fit no graph here: eager"

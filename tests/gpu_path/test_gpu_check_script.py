@@ -1,12 +1,15 @@
 """bench/gpu_check.py's parts on CPU: the random checkpoint loads in transformers and in our engine with
-equal logits, the divergence analysis, and the summary table (including failed and skipped steps)."""
+equal logits, the divergence analysis, the summary table (including failed and skipped steps), and the
+warm-up (bench/gpu_warmup.py). `bench/gpu_check.sh --cpu-smoke` runs the whole script on CPU (minutes)."""
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
-from bench import gpu_check
+from bench import gpu_check, gpu_warmup
 from services.engine import LLM
 
 
@@ -83,3 +86,30 @@ def test_table_command_exits_nonzero_on_a_missing_step(tmp_path, capsys):
         gpu_check.main(["table", "--results", str(tmp_path)])
     assert exit_info.value.code == 1
     assert "skipped: no time left" in capsys.readouterr().out
+
+
+def test_the_warm_up_is_shown_but_never_judged(tmp_path):
+    _results(tmp_path, {"warmup": 124, "kernels": 0, "equiv": 0, "offline": 0, "hf": 0})
+    (tmp_path / "warmup.log").write_text("C++ CPU decode kernel built in 20.0s\n8 test files in parallel: 90.1s\n")
+    rows, passed = gpu_check.table_rows(tmp_path)
+    assert passed and rows[0] == ("warm-up (not judged)", "timeout after 12s: 8 test files in parallel: 90.1s")
+
+
+def test_warm_up_runs_each_test_file_in_its_own_pytest_and_reports_each(tmp_path):
+    (tmp_path / "test_good.py").write_text("def test_ok():\n    pass\n")
+    (tmp_path / "test_bad.py").write_text("def test_not_ok():\n    assert False\n")
+    (tmp_path / "helpers.py").write_text("")
+    lines = gpu_warmup.run_in_parallel(gpu_warmup.test_files([str(tmp_path)]))
+    assert "test_bad.py: 1 failed" in lines[0] and lines[0].endswith("(exit 1)")
+    assert "test_good.py: 1 passed" in lines[1] and lines[1].endswith("(exit 0)")
+    assert lines[2].startswith("2 test files in parallel: ")
+
+
+def test_warm_up_refuses_a_path_that_does_not_exist(tmp_path):
+    with pytest.raises(SystemExit, match="no such test path"):
+        gpu_warmup.test_files([str(tmp_path / "missing")])
+
+
+def test_the_script_parses():
+    script = Path(gpu_check.__file__).with_name("gpu_check.sh")
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0

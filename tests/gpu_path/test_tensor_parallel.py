@@ -1,6 +1,8 @@
 """Tensor parallelism on CPU: two gloo processes (rank 0 here, rank 1 spawned) run a tiny random checkpoint
 and match the unsharded engine: the same greedy tokens, and logits within fp32 tolerance."""
 
+import socket
+
 import pytest
 import torch
 
@@ -28,11 +30,17 @@ def engines(request, tmp_path_factory):
     build_checkpoint(kind, overrides, directory)
     single = LLM(directory, **ENGINE)
     sharded = LLM(directory, tensor_parallel_size=2, distributed_port=free_port(), max_num_batched_tokens=24,
-                  **ENGINE)
+                  **ENGINE)  # an explicit port (the default, a free one at launch: test_tp_rendezvous.py)
     yield single, sharded
     workers = list(sharded.runner._workers)
     sharded.shutdown()
     assert not any(w.is_alive() for w in workers) and parallel_state.get_group_size() == 1
+
+
+def test_an_explicit_distributed_port_is_where_the_group_meets(engines):
+    _, sharded = engines
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock, pytest.raises(OSError):
+        sock.bind(("127.0.0.1", sharded.runner.args.distributed_port))  # held by rank 0's rendezvous
 
 
 def _prompts(vocab_size: int) -> list[list[int]]:

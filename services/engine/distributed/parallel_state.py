@@ -60,9 +60,22 @@ def tensor_parallel_layout(rank: int, size: int):
         _layout[:] = previous
 
 
+def open_rendezvous(port: int = 0, host: str = "127.0.0.1", timeout_s: float = INIT_TIMEOUT_S):
+    """Rank 0, before starting the workers: listen for the group's rendezvous on host:port, a torch TCPStore
+    whose `.port` the workers must be given. Port 0 takes a free one from the OS; the socket stays bound
+    from here on, so two groups starting at once can never pick the same port."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, port, is_master=True, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def init_tensor_parallel(rank: int, size: int, device: torch.device, port: int, host: str = "127.0.0.1",
-                         timeout_s: float = INIT_TIMEOUT_S) -> None:
-    """Join the group of `size` processes rendezvousing at tcp://host:port (blocks until all have joined)."""
+                         timeout_s: float = INIT_TIMEOUT_S, store=None) -> None:
+    """Join the group of `size` processes rendezvousing at host:port (blocks until all have joined).
+
+    Rank 0 passes the store it opened with open_rendezvous; the other ranks connect to host:port.
+    """
     import torch.distributed as dist
 
     if _state.initialized or dist.is_initialized():
@@ -70,11 +83,14 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, port: int, 
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        store = dist.TCPStore(host, port, is_master=rank == 0, wait_for_workers=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     control = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
     _state.rank, _state.size, _state.control_group, _state.initialized = rank, size, control, True
-    logger.info("tensor-parallel rank %d of %d (%s) on %s", rank, size, backend, device)
+    logger.info("tensor-parallel rank %d of %d (%s) on %s, rendezvous port %d", rank, size, backend, device,
+                store.port)
 
 
 def destroy_tensor_parallel() -> None:

@@ -1,13 +1,15 @@
-"""Tensor-parallel worker processes (ranks 1..N-1), spawned by rank 0's model runner.
+"""Tensor-parallel worker processes (ranks 1..N-1): started and stopped here, run by an entry function the
+caller passes in (the model runner's), so this package never imports the runner.
 
-Each worker builds its own ModelRunner (its shard of the model, its KV cache, its CUDA graphs), then
-loops: receive the step rank 0 broadcasts, run the forward (taking part in every collective), repeat;
-a broadcast None ends the loop. Only rank 0 samples.
+Each worker builds its own shard of the model and its KV cache, then runs every step rank 0 broadcasts
+until a broadcast None ends its loop. Only rank 0 samples.
 """
 
 import logging
 import multiprocessing.process
 import socket
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -15,20 +17,22 @@ logger = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 30.0
 
+WorkerEntry = Callable[[Any, int], None]  # entry(args, rank), run in the worker process; module-level (pickled)
+
 
 def free_port() -> int:
-    """An unused TCP port on 127.0.0.1 (for tests that start several groups)."""
+    """An unused TCP port on 127.0.0.1 at the time of asking (for tests of an explicit distributed_port)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def launch_workers(args, world_size: int) -> list[multiprocessing.process.BaseProcess]:
-    """Start ranks 1..world_size-1 with torch.multiprocessing (spawn), each running run_worker."""
+def launch_workers(entry: WorkerEntry, args: Any, world_size: int) -> list[multiprocessing.process.BaseProcess]:
+    """Start ranks 1..world_size-1 with torch.multiprocessing (spawn), each running entry(args, rank)."""
     context = mp.get_context("spawn")
     workers = []
     for rank in range(1, world_size):
-        process = context.Process(target=run_worker, args=(args, rank), name=f"llmserve-tp-rank{rank}", daemon=True)
+        process = context.Process(target=entry, args=(args, rank), name=f"llmserve-tp-rank{rank}", daemon=True)
         process.start()
         workers.append(process)
     return workers
@@ -42,16 +46,3 @@ def stop_workers(workers: list[multiprocessing.process.BaseProcess], timeout_s: 
             logger.warning("tensor-parallel worker %s did not exit; terminating it", process.name)
             process.terminate()
             process.join(timeout_s)
-
-
-def run_worker(args, rank: int) -> None:
-    """Entry point of a worker process."""
-    from services.engine.distributed.parallel_state import destroy_tensor_parallel
-    from services.engine.runner.model_runner import ModelRunner
-
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
-    try:
-        runner = ModelRunner(args, rank=rank)
-        runner.serve_as_worker()
-    finally:
-        destroy_tensor_parallel()

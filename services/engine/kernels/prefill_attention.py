@@ -12,6 +12,35 @@ import triton.language as tl
 
 from services.engine.kernels.paged_tile import LOG2E, dot_options, load_kv_tile, online_softmax_step
 
+# What one program may hold in registers (by _tile_bytes' count): 4 warps have 128 threads x 255 32-bit
+# registers, ~128 KiB, of which addresses, masks and loop state take a share. Calibrated on the GPU check's
+# review: 64x64 tiles compiled without spilling in bf16 at head dim 128 (104 KiB by this count) and in fp32
+# at 64 (96 KiB), and spilled to local memory in fp32 at head dims 80-128 (160 KiB).
+TILE_BUDGET_BYTES = 104 * 1024
+MAX_TILE, MIN_TILE = 64, 16  # tl.dot needs every dimension >= 16
+
+
+def _tile_bytes(block_m: int, block_n: int, dim_pad: int, elem_bytes: int) -> int:
+    """Bytes of the tiles a program keeps live: q [M, D] and the fp32 acc [M, D], K and V [N, D], the fp32
+    scores and their probabilities [M, N] (cast to V's type for the second product)."""
+    rows = block_m * dim_pad * (elem_bytes + 4) + 2 * block_n * dim_pad * elem_bytes
+    return rows + block_m * block_n * (4 + elem_bytes)
+
+
+def prefill_tiles(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) for prefill_attention: 64x64, halved (BLOCK_N first, then alternately) until the
+    tiles fit TILE_BUDGET_BYTES. fp32 (exact products, 4-byte tiles) at head dims 65-128 gets 32x32; bf16 and
+    fp16 keep 64x64 up to head dim 128."""
+    dim_pad = max(16, triton.next_power_of_2(head_dim))
+    elem_bytes = torch.finfo(dtype).bits // 8
+    block_m = block_n = MAX_TILE
+    while _tile_bytes(block_m, block_n, dim_pad, elem_bytes) > TILE_BUDGET_BYTES and block_m > MIN_TILE:
+        if block_n >= block_m and block_n > MIN_TILE:
+            block_n //= 2
+        else:
+            block_m //= 2
+    return block_m, block_n
+
 
 @triton.jit
 def _prefill_kernel(
@@ -92,22 +121,35 @@ def _prefill_kernel(
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, scale: float,
-                      block_tables: torch.Tensor | None = None, block_m: int = 64,
-                      block_n: int = 64) -> torch.Tensor:
+                      block_tables: torch.Tensor | None = None, block_m: int | None = None,
+                      block_n: int | None = None) -> torch.Tensor:
     """Causal attention of the flat new tokens q [N, Hq, D] over each sequence's context → [N, Hq, D].
 
     With block_tables [B, max_blocks] int32, k and v are the paged caches [num_blocks, block_size, Hkv, D]
     (holding the prefix and the new tokens); without, they are the new tokens' flat k, v [N, Hkv, D] and
-    cu_seqlens_k must equal cu_seqlens_q. cu_seqlens_* [B+1] int32; max_seqlen_q is a host int.
+    cu_seqlens_k must equal cu_seqlens_q. cu_seqlens_* [B+1] int32; max_seqlen_q is a host int. Tiles
+    default to prefill_tiles(q.dtype, D).
     """
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [N, Hq, D]
+    launch_prefill(out, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, block_tables, block_m, block_n)
+    return out
+
+
+def launch_prefill(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, scale: float,
+                   block_tables: torch.Tensor | None = None, block_m: int | None = None,
+                   block_n: int | None = None):
+    """prefill_attention into `out` [N, Hq, D]. Returns Triton's compiled kernel on a GPU (its n_regs and
+    n_spills tell whether the tiles fit in registers); None under the interpreter or when nothing ran."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[-2]
     if num_q_heads % num_kv_heads or k.shape[-1] != head_dim:
         raise ValueError(f"q heads {num_q_heads} x {head_dim} do not fit K's {num_kv_heads} x {k.shape[-1]}")
-    out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
     batch = cu_seqlens_q.shape[0] - 1
     if num_tokens == 0 or batch == 0:
-        return out
+        return None
+    default_m, default_n = prefill_tiles(q.dtype, head_dim)
+    block_m, block_n = block_m or default_m, block_n or default_n
     paged = block_tables is not None
     if paged:
         k_strides, v_strides = k.stride(), v.stride()
@@ -117,14 +159,13 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         block_size, bt, stride_bt = 1, cu_seqlens_k, 0
     dot_fp32, dot_precision = dot_options(q.dtype)
     grid = (triton.cdiv(max_seqlen_q, block_m), num_q_heads, batch)
-    _prefill_kernel[grid](
+    return _prefill_kernel[grid](
         q, k, v, out, cu_seqlens_q, cu_seqlens_k, bt,
         *q.stride(), *k_strides, *v_strides, *out.stride(), stride_bt,
         scale * LOG2E, block_size,
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, DOT_FP32=dot_fp32, DOT_PRECISION=dot_precision,
     )
-    return out
 
 
 def prefill_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

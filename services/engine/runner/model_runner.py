@@ -7,6 +7,7 @@ engine's process) spawns N-1 workers and broadcasts each step's plain inputs to 
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import time
 
@@ -124,13 +125,17 @@ class ModelRunner:
                     "on" if self.graphs else "off", f", TP rank {rank} of {self.tp_size}" if self.tp_size > 1 else "")
 
     def _join_tensor_parallel_group(self) -> None:
+        store, port = None, self.args.distributed_port
         if self.rank == 0:
             from services.engine.distributed.worker import launch_workers
 
-            self._workers = launch_workers(self.args, self.tp_size)
+            store = tp.open_rendezvous(port)  # port 0: a free one, bound from here on
+            port = store.port
+            self._workers = launch_workers(run_worker, dataclasses.replace(self.args, distributed_port=port),
+                                           self.tp_size)
             atexit.register(self.shutdown)
         try:
-            tp.init_tensor_parallel(self.rank, self.tp_size, self.device, self.args.distributed_port)
+            tp.init_tensor_parallel(self.rank, self.tp_size, self.device, port, store=store)
         except BaseException:
             self._abandon_workers()
             raise
@@ -303,3 +308,12 @@ class ModelRunner:
         finally:
             stop_workers(workers)
             tp.destroy_tensor_parallel()
+
+
+def run_worker(args: EngineArgs, rank: int) -> None:
+    """Entry of a tensor-parallel worker process (rank > 0), started by distributed.worker.launch_workers."""
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
+    try:
+        ModelRunner(args, rank=rank).serve_as_worker()
+    finally:
+        tp.destroy_tensor_parallel()

@@ -22,7 +22,7 @@ _HELP = {
     "enforce_eager": "disable CUDA graphs for decode",
     "gpu_memory_utilization": "fraction of GPU memory the engine may use",
     "tensor_parallel_size": "GPUs to shard the model over (one process each)",
-    "distributed_port": "TCP port on 127.0.0.1 where tensor-parallel processes rendezvous",
+    "distributed_port": "TCP port on 127.0.0.1 where tensor-parallel processes rendezvous (0: a free one)",
     "max_waiting": "waiting-queue limit; past it requests get RESOURCE_EXHAUSTED (0 = unbounded)",
     "seed": "seed of unseeded sampling",
 }
