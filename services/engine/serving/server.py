@@ -11,7 +11,7 @@ from services.common.errors import InvalidRequestError, UnavailableError
 from services.common.grpc_server import ServingState, request_id_var
 from services.engine.serving.async_engine import AsyncEngine
 from services.engine.serving.convert import (
-    RequestClock, check_stop_token_ids, load_report, prompt_field_name, response_from_output, sampling_from_proto)
+    RequestClock, load_report, response_from_output, sampling_from_proto)
 from services.engine.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -44,14 +44,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             raise InvalidRequestError("request_id", "must not be empty")
         request_id_var.set(request.request_id)
         prompt = list(request.prompt_token_ids)
-        sampling = self._sampling(request, len(prompt))
+        sampling = sampling_from_proto(request.sampling, len(prompt), self.info.max_model_len)
         clock = RequestClock()
         stream = self.engine.generate(request.request_id, prompt, sampling)
         async with contextlib.aclosing(stream):
             try:
                 first = await anext(stream)
-            except InvalidRequestError as exc:
-                raise InvalidRequestError(prompt_field_name(exc.field), exc.description) from None
             except asyncio.CancelledError:
                 self.num_finished_requests += 1  # cancelled while queued: it ends here too
                 raise
@@ -65,11 +63,6 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     yield response_from_output(output, clock)
             finally:
                 self.num_finished_requests += 1  # whatever the reason: cancelled and aborted requests count too
-
-    def _sampling(self, request: engine_pb2.GenerateRequest, num_prompt_tokens: int) -> SamplingParams:
-        sampling = sampling_from_proto(request.sampling, num_prompt_tokens, self.info.max_model_len)
-        check_stop_token_ids(sampling, self.info.vocab_size)
-        return sampling
 
     async def Abort(self, request: engine_pb2.AbortRequest, context) -> engine_pb2.AbortResponse:
         aborted = [request_id for request_id in request.request_ids if self.engine.is_live(request_id)]
