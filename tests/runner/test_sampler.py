@@ -173,3 +173,24 @@ def test_temperatures_below_the_minimum_are_greedy_and_the_minimum_samples():
         assert SamplingParams(temperature=temperature).is_greedy
         assert _sample(Sampler(0, CPU), flat, [SamplingParams(temperature=temperature)]) == [17]
     assert not SamplingParams(temperature=MIN_TEMPERATURE).is_greedy
+
+
+def test_samplers_with_the_same_seed_draw_the_same_unseeded_tokens():
+    flat = torch.zeros(6, VOCAB)
+    torch.manual_seed(1)  # the global generator must play no part
+    first = _sample(Sampler(3, CPU), flat, [SamplingParams()] * 6)
+    torch.manual_seed(2)
+    assert _sample(Sampler(3, CPU), flat, [SamplingParams()] * 6) == first
+    assert _sample(Sampler(4, CPU), flat, [SamplingParams()] * 6) != first
+
+
+def test_min_p_threshold_is_per_row():
+    logits = torch.tensor([[0.0, 0.0, 0.0, -9.0], [5.0, 0.0, 0.0, 0.0]])  # row maxima ~0.33 and ~0.98
+    probs = _filtered(logits, [SamplingParams(min_p=0.5), SamplingParams(min_p=0.001)])
+    assert probs.gt(0).tolist() == [[True, True, True, False], [True, True, True, True]]
+
+
+def test_a_row_without_top_p_keeps_its_negligible_tail_when_another_row_uses_it():
+    logits = torch.tensor([[0.0, -30.0, -30.0, -30.0], [0.0, 0.0, 0.0, 0.0]])  # row 0's tail sums to ~1e-13
+    probs = _filtered(logits, [SamplingParams(), SamplingParams(top_p=0.5)])
+    assert probs[0].gt(0).all() and int(probs[1].gt(0).sum()) == 2

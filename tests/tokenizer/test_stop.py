@@ -5,7 +5,7 @@ import random
 import pytest
 
 from services.tokenizer.errors import InvalidRequestError
-from services.tokenizer.stop import StopStringMatcher
+from services.tokenizer.stop import StopStringMatcher, validate_stop_strings
 
 
 def run_matcher(stops, deltas, include=False):
@@ -78,11 +78,19 @@ def test_no_stop_strings_pass_text_through():
     assert run_matcher([], ["a", "b"]) == (["a", "b", ""], None)
 
 
-@pytest.mark.parametrize("stops", [["ok", ""], ["ok", 3]])
-def test_invalid_stop_strings_name_their_index(stops):
+@pytest.mark.parametrize("stops, description", [(["ok", ""], "must not be empty"),
+                                                 (["ok", 3], "must be a string, got int")])
+def test_invalid_stop_strings_name_their_index(stops, description):
     with pytest.raises(InvalidRequestError) as excinfo:
         StopStringMatcher(stops)
-    assert excinfo.value.field == "stop[1]"
+    assert (excinfo.value.field, excinfo.value.description) == ("stop[1]", description)
+
+
+def test_a_bare_string_is_not_a_list_of_stop_strings():
+    with pytest.raises(InvalidRequestError) as excinfo:
+        validate_stop_strings("stop here")
+    assert (excinfo.value.field, excinfo.value.description) == ("stop", "must be a list of strings")
+    assert validate_stop_strings(["b", "a", "b"]) == ["b", "a"]
 
 
 @pytest.mark.parametrize("include", [False, True])

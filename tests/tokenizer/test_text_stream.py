@@ -83,3 +83,14 @@ def test_stream_drops_the_rest_of_a_multi_token_push(text_tokenizer):
     assert text_stream.push(tok.encode(" more", add_special_tokens=False)) == ("", "beta")
     assert text_stream.finish() == ""
     assert text_stream.text == "alpha "
+
+
+def test_special_tokens_are_skipped_unless_asked_for(text_tokenizer):
+    tok = text_tokenizer
+    ids = tok.encode("Hi there", add_special_tokens=False) + [tok.eos_token_ids[0]]
+    special = tok.decode([tok.eos_token_ids[0]], skip_special_tokens=False)
+    assert special and tok.decode([tok.eos_token_ids[0]]) == ""
+    for stream, expected in ((TextStream(tok, []), "Hi there"),
+                             (TextStream(tok, [], skip_special_tokens=False), "Hi there" + special)):
+        deltas = [stream.push([token_id])[0] for token_id in ids]
+        assert "".join(deltas) + stream.finish() == stream.text == expected

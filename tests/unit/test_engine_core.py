@@ -297,6 +297,29 @@ def test_full_waiting_queue_rejects_new_requests():
     assert engine.stats().num_waiting == 1
 
 
-def test_engine_rejects_a_config_without_kv_blocks():
+@pytest.mark.parametrize("config", [dict(num_kvcache_blocks=0), dict(max_num_seqs=0), dict(max_num_batched_tokens=0)],
+                         ids=str)
+def test_engine_rejects_a_config_without_room_for_one_step(config):
     with pytest.raises(ValueError):
-        make_engine(num_kvcache_blocks=0)
+        make_engine(**config)
+
+
+def test_the_smallest_budgets_still_run():
+    engine = make_engine(max_num_seqs=1, max_num_batched_tokens=1, num_kvcache_blocks=2)
+    engine.add_request("a", prompt(3), SamplingParams(max_tokens=2))
+    assert len(tokens_of(run_all(engine)["a"])) == 2
+
+
+def test_a_waiting_queue_of_one():
+    engine = make_engine(max_waiting=1)
+    engine.add_request("a", prompt(4), SamplingParams())
+    with pytest.raises(QueueFullError):
+        engine.add_request("b", prompt(4, 50), SamplingParams())
+
+
+def test_a_prompt_that_fills_the_cache_alone_blames_max_tokens():
+    engine = make_engine(num_kvcache_blocks=4)
+    with pytest.raises(InvalidRequestError) as error:
+        engine.add_request("a", prompt(16), SamplingParams(max_tokens=2))
+    assert error.value.field == "sampling.max_tokens"
+    assert error.value.description == "needs 17 tokens of KV cache but it holds only 16"
