@@ -2,6 +2,7 @@
 field and meaning (as the one interceptor would send it)."""
 
 import math
+import re
 
 import pytest
 from google.rpc import code_pb2, error_details_pb2
@@ -10,15 +11,18 @@ from llmserve.common.v1 import common_pb2
 from llmserve.textgen.v1 import textgen_pb2
 from services.common.errors import InvalidRequestError
 from services.common.grpc_server import status_for
-from services.tokenizer.convert import resolve_generate, resolve_sampling
+from services.tokenizer.convert import prompt_ids, resolve_generate, resolve_sampling
 
 VOCAB_SIZE = 100
 MAX_MODEL_LEN = 32
 DEFAULT_MAX_TOKENS = 8
 
 
+BOS = 99
+
+
 class WordTokenizer:
-    """One token per word (its length); chat: one token per message. Enough for conversion."""
+    """One token per word (its length), BOS first when special tokens are added; chat: the user messages' words."""
 
     vocab_size = VOCAB_SIZE
 
@@ -26,10 +30,10 @@ class WordTokenizer:
         self.defaults = defaults or {"temperature": 0.6, "top_p": 0.9, "top_k": 0, "min_p": 0.0}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [len(word) for word in text.split()]
+        return [BOS] * (add_special_tokens is True) + [len(word) for word in text.split()]
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        return [1] * len(messages)
+        return [token for m in messages if m["role"] == "user" for token in self.encode(m["content"], False)]
 
     def generation_defaults(self) -> dict:
         return dict(self.defaults)
@@ -70,10 +74,10 @@ def rejection(request: textgen_pb2.GenerateRequest) -> tuple[str, str]:
 
 @pytest.mark.parametrize("request_args, field, says", [
     (dict(text=""), "text", "must not be empty"),
-    (dict(text=None), "prompt", "one of text, chat or token_ids"),
+    (dict(text=None), "prompt", "set one of text, chat or token_ids"),
     (dict(token_ids=[]), "token_ids.ids", "must not be empty"),
     (dict(token_ids=[1, VOCAB_SIZE]), "token_ids.ids", f"token id {VOCAB_SIZE} "),
-    (dict(text="w " * (MAX_MODEL_LEN + 1)), "text", f"{MAX_MODEL_LEN + 1} tokens; max_model_len is {MAX_MODEL_LEN}"),
+    (dict(text="w " * MAX_MODEL_LEN), "text", f"{MAX_MODEL_LEN + 1} tokens; max_model_len is {MAX_MODEL_LEN}"),
     (dict(token_ids=[1] * (MAX_MODEL_LEN + 1)), "token_ids.ids", "max_model_len"),
     (dict(temperature=-0.5), "sampling.temperature", ">= 0"),
     (dict(temperature=math.inf), "sampling.temperature", "finite"),
@@ -83,7 +87,7 @@ def rejection(request: textgen_pb2.GenerateRequest) -> tuple[str, str]:
     (dict(top_k=0), "sampling.top_k", "unset to disable"),
     (dict(min_p=1.0), "sampling.min_p", "[0, 1)"),
     (dict(max_tokens=0), "sampling.max_tokens", ">= 1"),
-    (dict(max_tokens=MAX_MODEL_LEN - 2), "sampling.max_tokens", "prompt (3) + max_tokens (30) exceeds"),
+    (dict(max_tokens=MAX_MODEL_LEN - 3), "sampling.max_tokens", "prompt (4) + max_tokens (29) exceeds"),
     (dict(min_tokens=5, max_tokens=4), "sampling.min_tokens", "max_tokens=4"),
     (dict(stop_token_ids=[5, VOCAB_SIZE]), "sampling.stop_token_ids", f"token id {VOCAB_SIZE} "),
     (dict(num_logprobs=0), "sampling.num_logprobs", "not supported"),
@@ -93,6 +97,8 @@ def test_rejection_names_the_contract_field(request_args, field, says):
     got_field, description = rejection(generate_request(**request_args))
     assert got_field == field
     assert says in description
+    if says.startswith(("must not", "set one")):
+        assert description == says
 
 
 def test_a_chat_prompt_longer_than_max_model_len_names_chat():
@@ -102,9 +108,20 @@ def test_a_chat_prompt_longer_than_max_model_len_names_chat():
     assert rejection(request)[0] == "chat"
 
 
+def test_prompts_become_token_ids():
+    chat = textgen_pb2.GenerateRequest()
+    chat.chat.messages.add(role="system", content="be brief")
+    chat.chat.messages.add(role="user", content="a bb")
+    assert resolve(chat).prompt_ids == [1, 2] and resolve(chat).prompt_field == "chat"
+    assert resolve(generate_request("a bb ccc")).prompt_ids == [BOS, 1, 2, 3]
+    tokenize = textgen_pb2.TokenizeRequest(text="a bb")
+    assert prompt_ids(tokenize, WordTokenizer()) == ("text", [BOS, 1, 2])
+    assert prompt_ids(tokenize, WordTokenizer(), add_special_tokens=False) == ("text", [1, 2])
+
+
 def test_the_prompt_and_max_tokens_may_fill_the_context_exactly():
-    resolved = resolve(generate_request(max_tokens=MAX_MODEL_LEN - 3))
-    assert resolved.sampling.max_tokens == MAX_MODEL_LEN - 3
+    resolved = resolve(generate_request(max_tokens=MAX_MODEL_LEN - 4))
+    assert resolved.sampling.max_tokens == MAX_MODEL_LEN - 4
     resolved = resolve(generate_request(token_ids=[1] * (MAX_MODEL_LEN - 1), max_tokens=1))
     assert resolved.prompt_field == "token_ids.ids" and len(resolved.prompt_ids) == MAX_MODEL_LEN - 1
 
@@ -116,8 +133,12 @@ def test_unset_fields_take_the_models_generation_defaults():
     assert (sampling.temperature, sampling.top_k, sampling.max_tokens) == (pytest.approx(0.6), 40, DEFAULT_MAX_TOKENS)
     assert (sampling.top_p, sampling.min_p) == (pytest.approx(0.9), pytest.approx(0.05))
     assert not sampling.HasField("seed") and not sampling.HasField("min_tokens")
-    assert resolved.prompt_field == "text" and resolved.prompt_ids == [1, 2, 3]
-    assert resolved.skip_special_tokens and not resolved.include_stop_str_in_output
+    assert resolved.prompt_field == "text" and resolved.prompt_ids == [BOS, 1, 2, 3]
+    assert resolved.skip_special_tokens is True and resolved.include_stop_str_in_output is False
+    request = generate_request()
+    request.skip_special_tokens, request.include_stop_str_in_output = False, True
+    resolved = resolve(request, tokenizer)
+    assert resolved.skip_special_tokens is False and resolved.include_stop_str_in_output is True
 
 
 def test_set_fields_win_over_the_defaults():
@@ -144,5 +165,5 @@ def test_engine_request_ids_are_unique_and_carry_the_callers_id():
     resolved = resolve(generate_request(stop=["x", "x", "y"]))
     assert resolved.stops == ["x", "y"]
     first, second = resolved.engine_request(), resolved.engine_request()
-    assert first.request_id.startswith("req-") and first.request_id != second.request_id
-    assert list(first.prompt_token_ids) == [1, 2, 3] and first.sampling == resolved.sampling
+    assert re.fullmatch(r"req-[0-9a-f]{12}", first.request_id) and first.request_id != second.request_id
+    assert list(first.prompt_token_ids) == [BOS, 1, 2, 3] and first.sampling == resolved.sampling

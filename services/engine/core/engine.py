@@ -31,7 +31,6 @@ class EngineCore:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.config = config
         self.runner = runner
-        self.vocab_size = vocab_size
         self.scheduler = Scheduler(config, eos_token_ids)
         self.validator = RequestValidator.for_config(config, vocab_size)
         self._live: dict[str, Sequence] = {}
