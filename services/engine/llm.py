@@ -121,7 +121,7 @@ class LLM:
              use_tqdm: bool = True, chat_template_kwargs: dict | None = None) -> list[dict]:
         """Apply the chat template (with the generation prompt) to one conversation or a list, then generate."""
         if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer, so it has no chat template")
+            raise InvalidRequestError("messages", "this model has no tokenizer, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompt_ids = [self.chat_prompt_ids(conv, **(chat_template_kwargs or {})) for conv in conversations]
         return self.generate(prompt_ids, sampling_params, use_tqdm)
@@ -144,7 +144,7 @@ class LLM:
         for prompt in prompts:
             if isinstance(prompt, str):
                 if self.tokenizer is None:
-                    raise ValueError("this model has no tokenizer: pass token ids")
+                    raise InvalidRequestError("prompts", "this model has no tokenizer: pass token ids")
                 result.append(self.tokenizer.encode(prompt))
             elif isinstance(prompt, SequenceABC) and all(isinstance(t, Integral) for t in prompt):
                 result.append([int(t) for t in prompt])
@@ -161,6 +161,8 @@ class LLM:
         params = list(sampling_params)
         if len(params) != num_prompts:
             raise InvalidRequestError("sampling_params", f"{len(params)} given for {num_prompts} prompts")
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise InvalidRequestError("sampling_params", "must be a SamplingParams or a list of them")
         return params
 
     def _add_all(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[str]:

@@ -14,7 +14,7 @@ from services.common.grpc_server import ServingState, request_id_var
 from services.tokenizer.convert import ResolvedRequest, check_ids, prompt_ids, resolve_generate
 from services.tokenizer.engine_client import EngineClient, EngineStream, upstream_error, watch_engine
 from services.tokenizer.limits import INLINE_MAX_CHARS, InputLimits
-from services.tokenizer.stop import TextStream
+from services.tokenizer.text_stream import TextStream
 from services.tokenizer.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)

@@ -30,15 +30,21 @@ def test_auto_falls_back_to_triton_with_a_warning_for_other_block_sizes(flash_in
     assert "multiple of 256" in caplog.text and "triton" in caplog.text
 
 
-def test_auto_without_flash_attn_is_triton_on_cuda_and_torch_on_cpu(flash_missing, caplog):
+@pytest.mark.parametrize("kernel_builds, cpu_backend", [(True, "cpu"), (False, "torch")])
+def test_auto_without_flash_attn_is_triton_on_cuda_and_torch_on_cpu(flash_missing, caplog, monkeypatch,
+                                                                     kernel_builds, cpu_backend):
+    monkeypatch.setattr(select, "_cpu_kernel_available", lambda: kernel_builds)
     with caplog.at_level(logging.WARNING, logger=select.__name__):
         assert resolve_backend_name("auto", "cuda", 16) == "triton"
     assert caplog.text == ""
-    assert resolve_backend_name("auto", "cpu", 256) in ("cpu", "torch")
+    assert resolve_backend_name("auto", "cpu", 256) == cpu_backend
 
 
-def test_auto_on_cpu_never_picks_flash_attn_even_when_installed(flash_installed):
-    assert resolve_backend_name("auto", "cpu", 256) in ("cpu", "torch")
+@pytest.mark.parametrize("kernel_builds, cpu_backend", [(True, "cpu"), (False, "torch")])
+def test_auto_on_cpu_never_picks_flash_attn_even_when_installed(flash_installed, monkeypatch, kernel_builds,
+                                                                cpu_backend):
+    monkeypatch.setattr(select, "_cpu_kernel_available", lambda: kernel_builds)
+    assert resolve_backend_name("auto", "cpu", 256) == cpu_backend
 
 
 def test_explicit_flash_attn_with_a_bad_block_size_is_a_clear_error(flash_installed):
@@ -55,9 +61,10 @@ def test_explicit_flash_attn_needs_cuda_and_the_package(flash_missing, monkeypat
         resolve_backend_name("flash-attn", "cpu", 256)
 
 
-def test_get_backend_builds_the_fallback(flash_installed):
+def test_get_backend_builds_the_fallback(flash_installed, monkeypatch):
     assert get_backend("auto", "cuda", 16).name == "triton"
-    assert get_backend("auto", "cpu", 16).name in ("cpu", "torch")
+    monkeypatch.setattr(select, "_cpu_kernel_available", lambda: False)
+    assert get_backend("auto", "cpu", 16).name == "torch"
 
 
 def test_block_multiple_matches_the_flash_attn_backend_module():

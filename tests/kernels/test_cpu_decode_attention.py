@@ -56,11 +56,18 @@ def test_empty_context_row_gives_zeros_and_leaves_others_intact():
     torch.testing.assert_close(out[1:], _dense(q[1:], keys[1:], values[1:], 0.125), atol=ATOL, rtol=RTOL)
 
 
-def test_backend_decode_uses_kernel_for_fp32_and_matches_torch_path():
+def test_backend_decode_uses_kernel_for_fp32_and_matches_torch_path(monkeypatch):
     q, k_cache, v_cache, tables, lens, *_ = _case([3, 50, 21], 9, 3, 64, 16, seed=2)
     meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.zeros(3, dtype=torch.int64),
                              block_tables=tables, context_lens=lens, seqlens_k_cpu=lens.tolist())
+    kernel_calls = []
+    kernel = cpu_decode_attention.paged_decode_attention
+    monkeypatch.setattr(cpu_decode_attention, "paged_decode_attention",
+                        lambda *args: kernel_calls.append(args[0].dtype) or kernel(*args))
     backend = CpuBackend()
     fast = backend.decode(q, k_cache, v_cache, meta, 0.125)
+    assert kernel_calls == [torch.float32], "the fp32 decode did not run the compiled kernel"
     slow = super(CpuBackend, backend).decode(q, k_cache, v_cache, meta, 0.125)
     torch.testing.assert_close(fast, slow, atol=ATOL, rtol=RTOL)
+    backend.decode(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), meta, 0.125)
+    assert kernel_calls == [torch.float32], "bf16 must take the torch path"

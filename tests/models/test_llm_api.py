@@ -29,19 +29,22 @@ def test_one_invalid_request_runs_none(tiny_llama):
     generated_before = llm.stats()["num_generated_tokens"]
     with pytest.raises(InvalidRequestError) as error:
         llm.generate([[5, 6, 7], [8, 9, 512]], GREEDY, use_tqdm=False)
-    assert "token_ids" in error.value.field
-    with pytest.raises(InvalidRequestError):
+    assert error.value.field == "prompt_token_ids"
+    with pytest.raises(InvalidRequestError) as error:
         llm.generate([[5, 6, 7], [8, 9]], [GREEDY, SamplingParams(max_tokens=127)], use_tqdm=False)
+    assert error.value.field == "sampling.max_tokens"
     assert llm.stats()["num_generated_tokens"] == generated_before
     _assert_idle(llm)
 
 
 def test_sampling_params_list_must_match_prompts(tiny_llama):
     llm, _ = tiny_llama
-    with pytest.raises(InvalidRequestError, match="sampling_params"):
+    with pytest.raises(InvalidRequestError) as error:
         llm.generate([[5, 6], [7, 8]], [GREEDY], use_tqdm=False)
-    with pytest.raises(InvalidRequestError):
+    assert error.value.field == "sampling_params"
+    with pytest.raises(InvalidRequestError) as error:
         llm.generate([], GREEDY, use_tqdm=False)
+    assert error.value.field == "prompts"
 
 
 def test_outputs_keep_input_order_with_per_request_params(tiny_llama):
@@ -70,16 +73,24 @@ def test_seeded_sampling_is_reproducible_across_batches(tiny_llama):
 
 def test_stats_report_the_cache(tiny_llama):
     llm, _ = tiny_llama
-    stats = llm.stats()
-    for key in ("num_preemptions", "num_cached_prompt_tokens", "num_free_blocks", "num_total_blocks"):
-        assert isinstance(stats[key], int)
-    assert stats["num_total_blocks"] == 32
+    before = llm.stats()
+    prompt = [40 + i for i in range(21)]  # one full 16-token block, then 5 tokens
+    llm.generate([prompt, prompt], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    after = llm.stats()
+    assert after["num_total_blocks"] == after["num_free_blocks"] == 32
+    assert after["num_running"] == after["num_waiting"] == after["num_used_blocks"] == 0
+    assert after["num_generated_tokens"] - before["num_generated_tokens"] == 6
+    num_prompt_tokens = (after["num_cached_prompt_tokens"] + after["num_computed_prompt_tokens"]
+                         - before["num_cached_prompt_tokens"] - before["num_computed_prompt_tokens"])
+    assert num_prompt_tokens == 2 * 21
+    assert after["num_preemptions"] == before["num_preemptions"]
 
 
 def test_text_needs_a_tokenizer(tiny_llama):
     llm, _ = tiny_llama
-    with pytest.raises(ValueError, match="tokenizer"):
+    with pytest.raises(InvalidRequestError) as error:
         llm.generate("hello", GREEDY, use_tqdm=False)
+    assert error.value.field == "prompts" and "tokenizer" in error.value.description
     assert torch.is_inference_mode_enabled() is False
 
 

@@ -1,9 +1,12 @@
 """The vectorized sampler: greedy, filters, temperature and per-request seeds."""
 
+import math
+
 import torch
 
-from services.engine.core.sampling_params import SamplingParams
-from services.engine.runner.sampler import Sampler, make_sampling_batch
+from services.engine.core.sampling_params import MIN_TEMPERATURE, SamplingParams
+from services.engine.runner.sampler import Sampler
+from services.engine.runner.sampling_batch import make_sampling_batch
 from tests.runner.helpers import make_seq
 
 CPU = torch.device("cpu")
@@ -124,3 +127,70 @@ def test_different_seeds_draw_differently_and_unseeded_rows_vary():
     first = _sample(sampler, flat, [SamplingParams()] * 8)
     second = _sample(sampler, flat, [SamplingParams()] * 8)
     assert first != second
+
+
+# Boundaries, with exact float cases: each filter's documented comparison, not just far-off probabilities.
+
+
+def test_top_p_exactly_at_a_cumulative_boundary_keeps_the_head_that_reaches_it():
+    uniform = torch.zeros(1, 4)  # probabilities 0.25 each: cumulative mass 0.25, 0.5, 0.75, 1.0, exact in fp32
+    for top_p, num_kept in ((0.25, 1), (0.5, 2), (0.75, 3), (0.7500001, 4), (0.2499999, 1)):
+        probs = _filtered(uniform, [SamplingParams(top_p=top_p)])
+        assert int(probs.gt(0).sum()) == num_kept, top_p
+        torch.testing.assert_close(probs.sum(), torch.tensor(1.0))
+
+
+def test_min_p_keeps_a_token_exactly_at_the_threshold():
+    for min_p in (0.5, 0.25, 0.125):
+        logits = torch.tensor([[0.0, math.log(min_p), math.log(min_p) - 0.01]])
+        probs = logits.softmax(-1)
+        assert probs[0, 1] == min_p * probs[0, 0] * 1.0  # the precondition: exactly at the threshold in fp32
+        kept = _filtered(logits, [SamplingParams(min_p=min_p)]).gt(0).tolist()
+        assert kept == [[True, True, False]], min_p
+
+
+def test_top_k_keeps_exactly_k_even_among_ties():
+    logits = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0]])
+    for k, num_kept in ((1, 1), (2, 2), (4, 4), (5, 5), (6, 5)):
+        assert int(_filtered(logits, [SamplingParams(top_k=k)]).gt(0).sum()) == num_kept, k
+
+
+def test_disabled_filters_keep_every_token():
+    logits = _random_logits(2, seed=7)
+    for params in (SamplingParams(top_k=-1), SamplingParams(top_k=0), SamplingParams(top_k=VOCAB),
+                   SamplingParams(top_p=1.0), SamplingParams(min_p=0.0)):
+        probs = _filtered(logits, [params, SamplingParams(top_k=3)])
+        assert bool(probs[0].gt(0).all()), params
+        torch.testing.assert_close(probs[0], logits[0].softmax(-1))
+
+
+def test_temperatures_below_the_minimum_are_greedy_and_the_minimum_samples():
+    flat = torch.zeros(1, VOCAB)
+    flat[0, 17] = 1e-6  # the argmax, by a margin sampling at temperature 1e-5 would ignore
+    draws = {_sample(Sampler(seed, CPU), flat, [SamplingParams(temperature=MIN_TEMPERATURE)])[0] for seed in range(6)}
+    assert draws != {17}
+    for temperature in (0.0, MIN_TEMPERATURE * 0.99):
+        assert SamplingParams(temperature=temperature).is_greedy
+        assert _sample(Sampler(0, CPU), flat, [SamplingParams(temperature=temperature)]) == [17]
+    assert not SamplingParams(temperature=MIN_TEMPERATURE).is_greedy
+
+
+def test_samplers_with_the_same_seed_draw_the_same_unseeded_tokens():
+    flat = torch.zeros(6, VOCAB)
+    torch.manual_seed(1)  # the global generator must play no part
+    first = _sample(Sampler(3, CPU), flat, [SamplingParams()] * 6)
+    torch.manual_seed(2)
+    assert _sample(Sampler(3, CPU), flat, [SamplingParams()] * 6) == first
+    assert _sample(Sampler(4, CPU), flat, [SamplingParams()] * 6) != first
+
+
+def test_min_p_threshold_is_per_row():
+    logits = torch.tensor([[0.0, 0.0, 0.0, -9.0], [5.0, 0.0, 0.0, 0.0]])  # row maxima ~0.33 and ~0.98
+    probs = _filtered(logits, [SamplingParams(min_p=0.5), SamplingParams(min_p=0.001)])
+    assert probs.gt(0).tolist() == [[True, True, True, False], [True, True, True, True]]
+
+
+def test_a_row_without_top_p_keeps_its_negligible_tail_when_another_row_uses_it():
+    logits = torch.tensor([[0.0, -30.0, -30.0, -30.0], [0.0, 0.0, 0.0, 0.0]])  # row 0's tail sums to ~1e-13
+    probs = _filtered(logits, [SamplingParams(), SamplingParams(top_p=0.5)])
+    assert probs[0].gt(0).all() and int(probs[1].gt(0).sum()) == 2

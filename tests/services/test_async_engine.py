@@ -32,7 +32,8 @@ from services.engine.core.sampling_params import SamplingParams
 from services.engine.core.sequence import FinishReason
 from services.engine.serving.async_engine import AsyncEngine
 from services.engine.serving.engine_process import CoreLoop, EngineDescription
-from services.engine.serving.server import SERVICE_NAME, EngineServicer, RequestValidator
+from services.engine.core.request_validator import RequestValidator
+from services.engine.serving.server import SERVICE_NAME, EngineServicer
 
 BLOCK_SIZE = 4
 VOCAB_SIZE = 10_000
@@ -209,12 +210,12 @@ def test_validation_error_comes_before_anything_streams():
     async def scenario() -> None:
         runner = GatedRunner()
         async with harness(runner) as h:
-            validator = RequestValidator(h.description)
-            cases = [(prompt(3, VOCAB_SIZE - 1), greedy(2), "prompt.token_ids"), ([], greedy(2), "prompt"),
-                     (prompt(60), greedy(5), "max_tokens")]
+            validator = RequestValidator.for_config(h.description.scheduler_config, VOCAB_SIZE)
+            cases = [(prompt(3, VOCAB_SIZE - 1), greedy(2), "prompt_token_ids"), ([], greedy(2), "prompt_token_ids"),
+                     (prompt(60), greedy(5), "sampling.max_tokens")]
             for prompt_ids, sampling, field in cases:
                 with pytest.raises(InvalidRequestError) as caught:
-                    validator.validate_request(prompt_ids, sampling)
+                    validator.validate(prompt_ids, sampling)
                 assert caught.value.field == field
             assert runner.num_samples == Counter() and not h.core.has_unfinished_requests()
 
@@ -380,7 +381,7 @@ def test_engine_servicer_answers_resource_exhausted_with_retry_info():
         async with harness(runner, max_waiting=1, max_num_batched_tokens=8) as h:
             info = engine_pb2.GetEngineInfoResponse(vocab_size=VOCAB_SIZE, max_model_len=64, eos_token_ids=[EOS_ID])
             state = ServingState(SERVICE_NAME)
-            servicer = EngineServicer(h.engine, info, state, RequestValidator(h.description))
+            servicer = EngineServicer(h.engine, info, state, RequestValidator.for_config(h.description.scheduler_config, VOCAB_SIZE))
             server = build_server([SERVICE_NAME], state, servicer.register)
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()

@@ -10,7 +10,8 @@ import pytest
 from llmserve import FinishReason, LLMServeError
 from llmserve.engine.v1 import engine_pb2
 from llmserve.textgen.v1 import textgen_pb2
-from tests.services.helpers import field_violations, wait_engine_idle
+from tests.services.engine_pause import engine_core_pid, paused
+from tests.services.helpers import engine_load, field_violations, wait_engine_idle
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +99,7 @@ def test_engine_rejects_bad_requests_directly(engine_stub, request_id, prompt_id
     assert_stub_rejected(engine_stub.Generate, engine_request(request_id, prompt_ids), field)
 
 
-def test_bad_requests_do_not_disturb_a_running_stream(client, textgen_stub, engine_stub, offline, idle_engine):
+def test_bad_requests_do_not_disturb_a_running_stream(stack, client, textgen_stub, engine_stub, offline, idle_engine):
     [reference] = offline.generate([GOOD_PROMPT], temperature=0.0, max_tokens=GOOD_MAX_TOKENS, ignore_eos=True)
     stream = client.generate(GOOD_PROMPT, temperature=0.0, max_tokens=GOOD_MAX_TOKENS, ignore_eos=True, timeout=120)
     deltas = iter(stream)
@@ -114,11 +115,14 @@ def test_bad_requests_do_not_disturb_a_running_stream(client, textgen_stub, engi
 
     reader = threading.Thread(target=finish_stream, daemon=True)
     reader.start()
-    for _, arguments, field in CLIENT_CASES:
-        assert_rejected(client, dict(arguments), field)
-    assert_stub_rejected(engine_stub.Generate, engine_request("", [1, 2]), "request_id")
-    assert_stub_rejected(engine_stub.Generate, engine_request("barrage-vocab", [VOCAB_SIZE]), "prompt_token_ids")
-    assert reader.is_alive(), "the good stream finished before the barrage ended; nothing was tested"
+    # The engine core is paused through the barrage, so the good stream is mid-generation all along (validation
+    # needs no engine step).
+    with paused(engine_core_pid(stack.engine.proc.pid)):
+        for _, arguments, field in CLIENT_CASES:
+            assert_rejected(client, dict(arguments), field)
+        assert_stub_rejected(engine_stub.Generate, engine_request("", [1, 2]), "request_id")
+        assert_stub_rejected(engine_stub.Generate, engine_request("barrage-vocab", [VOCAB_SIZE]), "prompt_token_ids")
+        assert reader.is_alive() and engine_load(engine_stub).num_running == 1
     reader.join(120)
     assert "error" not in outcome and "result" in outcome, outcome
     result = outcome["result"]

@@ -5,6 +5,8 @@ Uses its own engine + tokenizer pair; the engine listens on a fixed free port so
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 
 import grpc
@@ -12,6 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from llmserve import FinishReason, LLMServeClient, LLMServeError
+from tests.services.engine_pause import engine_core_pid
 from tests.services.procs import (
     ENGINE_SERVICE,
     TEXTGEN_SERVICE,
@@ -80,7 +83,10 @@ def test_engine_killed_then_restarted(pair):
         deltas = iter(stream)
         next(deltas)
 
+        core_pid = engine_core_pid(pair.engine.proc.pid)
+        os.kill(core_pid, signal.SIGSTOP)  # the stream cannot finish before the engine dies, however fast it runs
         pair.engine.kill()
+        os.kill(core_pid, signal.SIGKILL)  # paused, it would never see its parent go
         with pytest.raises(LLMServeError) as caught:  # the stream that was running when the engine died
             list(deltas)
         assert caught.value.code == grpc.StatusCode.UNAVAILABLE, caught.value

@@ -94,12 +94,28 @@ def test_mid_prefill_steps_output_nothing():
     assert [o.request_id for o in outputs] == ["a"] and len(outputs[0].new_token_ids) == 1
 
 
-def test_second_eos_id_finishes_with_stop():
+def test_second_eos_id_finishes_with_stop_and_is_the_matched_stop_token():
     engine = make_engine(ScriptedRunner({"a": [50, 3, 51]}))
     engine.add_request("a", prompt(4), SamplingParams(max_tokens=3))
     outputs = run_all(engine)["a"]
     assert tokens_of(outputs) == [50, 3]
-    assert outputs[-1].finish_reason == FinishReason.STOP and outputs[-1].matched_stop_token_id is None
+    assert outputs[-1].finish_reason == FinishReason.STOP and outputs[-1].matched_stop_token_id == 3
+    assert [o.matched_stop_token_id for o in outputs[:-1]] == [None]
+
+
+def test_matched_stop_token_id_is_unset_unless_the_finish_is_stop():
+    engine = make_engine(ScriptedRunner({"a": [50, 51], "b": [77, 60, 61, 62, 63]}))
+    engine.add_request("a", prompt(4), SamplingParams(max_tokens=2))
+    engine.add_request("b", prompt(4, 40), SamplingParams(max_tokens=5, stop_token_ids=[77], min_tokens=1))
+    engine.add_request("c", prompt(4, 80), SamplingParams(max_tokens=5))
+    first = {o.request_id: o for o in engine.step()}
+    engine.abort_request("c")
+    outputs = run_all(engine)
+    assert first["b"].new_token_ids == [77] and first["b"].matched_stop_token_id is None
+    assert outputs["a"][-1].finish_reason == FinishReason.LENGTH and outputs["a"][-1].matched_stop_token_id is None
+    assert outputs["c"][-1].finish_reason == FinishReason.ABORTED and outputs["c"][-1].matched_stop_token_id is None
+    # 77 came before min_tokens: not a stop, so b runs on to its max_tokens.
+    assert outputs["b"][-1].finish_reason == FinishReason.LENGTH and outputs["b"][-1].matched_stop_token_id is None
 
 
 def test_stop_token_id_is_reported():
@@ -191,11 +207,11 @@ def test_abort_after_finish_returns_false():
 @pytest.mark.parametrize(
     "prompt_token_ids, max_tokens, field",
     [
-        ([], 4, "prompt"),
-        ([5, -1, 6], 4, "prompt.token_ids"),
-        ([5, VOCAB_SIZE, 6], 4, "prompt.token_ids"),
-        (prompt(65), 1, "prompt"),
-        (prompt(60), 5, "max_tokens"),
+        ([], 4, "prompt_token_ids"),
+        ([5, -1, 6], 4, "prompt_token_ids"),
+        ([5, VOCAB_SIZE, 6], 4, "prompt_token_ids"),
+        (prompt(65), 1, "prompt_token_ids"),
+        (prompt(60), 5, "sampling.max_tokens"),
     ],
 )
 def test_invalid_request_is_rejected_with_its_field(prompt_token_ids, max_tokens, field):
@@ -211,10 +227,26 @@ def test_invalid_sampling_params_are_rejected():
     sampling.top_p = 0.0
     with pytest.raises(InvalidRequestError) as error:
         make_engine().add_request("a", prompt(4), sampling)
-    assert error.value.field == "top_p"
+    assert error.value.field == "sampling.top_p"
 
 
-@pytest.mark.parametrize("num_prompt_tokens, max_tokens, field", [(8, 10, "max_tokens"), (17, 1, "prompt")])
+def test_stop_token_id_outside_the_vocabulary_is_rejected():
+    engine = make_engine()
+    engine.add_request("ok", prompt(4), SamplingParams(stop_token_ids=[VOCAB_SIZE - 1]))
+    with pytest.raises(InvalidRequestError) as error:
+        engine.add_request("a", prompt(4), SamplingParams(stop_token_ids=[5, VOCAB_SIZE]))
+    assert error.value.field == "sampling.stop_token_ids"
+
+
+def test_prompt_and_max_tokens_exactly_at_max_model_len_are_admitted():
+    engine = make_engine()
+    engine.add_request("a", prompt(60), SamplingParams(max_tokens=4))
+    engine.add_request("b", prompt(63, 100), SamplingParams(max_tokens=1))
+    assert engine.stats().num_waiting == 2
+
+
+@pytest.mark.parametrize("num_prompt_tokens, max_tokens, field",
+                         [(8, 10, "sampling.max_tokens"), (17, 1, "prompt_token_ids")])
 def test_request_that_can_never_fit_is_rejected_while_others_finish(num_prompt_tokens, max_tokens, field):
     engine = make_engine(num_kvcache_blocks=4)
     engine.add_request("ok", prompt(4), SamplingParams(max_tokens=5))
@@ -265,24 +297,29 @@ def test_full_waiting_queue_rejects_new_requests():
     assert engine.stats().num_waiting == 1
 
 
-def test_engine_rejects_a_config_without_kv_blocks():
+@pytest.mark.parametrize("config", [dict(num_kvcache_blocks=0), dict(max_num_seqs=0), dict(max_num_batched_tokens=0)],
+                         ids=str)
+def test_engine_rejects_a_config_without_room_for_one_step(config):
     with pytest.raises(ValueError):
-        make_engine(num_kvcache_blocks=0)
+        make_engine(**config)
 
 
-# A cache too small for everyone
+def test_the_smallest_budgets_still_run():
+    engine = make_engine(max_num_seqs=1, max_num_batched_tokens=1, num_kvcache_blocks=2)
+    engine.add_request("a", prompt(3), SamplingParams(max_tokens=2))
+    assert len(tokens_of(run_all(engine)["a"])) == 2
 
 
-def test_preemption_keeps_every_output_the_same():
-    def run(num_kvcache_blocks: int) -> tuple[dict[str, list[int]], EngineCore]:
-        engine = make_engine(num_kvcache_blocks=num_kvcache_blocks, max_num_batched_tokens=8)
-        for index in range(4):
-            engine.add_request(f"r{index}", prompt(5 + index, 20 * index), SamplingParams(max_tokens=8))
-        return {rid: tokens_of(outs) for rid, outs in run_all(engine).items()}, engine
+def test_a_waiting_queue_of_one():
+    engine = make_engine(max_waiting=1)
+    engine.add_request("a", prompt(4), SamplingParams())
+    with pytest.raises(QueueFullError):
+        engine.add_request("b", prompt(4, 50), SamplingParams())
 
-    expected, roomy = run(64)
-    actual, tight = run(6)
-    assert roomy.stats().num_preemptions == 0
-    assert tight.stats().num_preemptions > 0
-    assert actual == expected and all(len(tokens) == 8 for tokens in actual.values())
-    assert tight.stats().num_used_blocks == 0
+
+def test_a_prompt_that_fills_the_cache_alone_blames_max_tokens():
+    engine = make_engine(num_kvcache_blocks=4)
+    with pytest.raises(InvalidRequestError) as error:
+        engine.add_request("a", prompt(16), SamplingParams(max_tokens=2))
+    assert error.value.field == "sampling.max_tokens"
+    assert error.value.description == "needs 17 tokens of KV cache but it holds only 16"

@@ -236,6 +236,18 @@ def test_decode_preempts_the_tail_of_running():
     assert scheduler.block_manager.num_free_blocks == 0
 
 
+def test_decode_preempts_the_newest_not_the_next_in_line():
+    """LIFO, not FIFO: only `first` needs a new block, and the victim is the tail, not `second`."""
+    scheduler = make_scheduler(num_blocks=4)
+    first, second, third, fourth = make_seq(4), make_seq(3), make_seq(3), make_seq(3)
+    add(scheduler, first, second, third, fourth)
+    step(scheduler)
+    batch, _ = step(scheduler)
+    assert batch.seqs == [first, second, third]
+    assert list(scheduler.waiting) == [fourth] and fourth.num_preemptions == 1
+    assert second.num_preemptions == 0 and len(second.block_table) == 1
+
+
 def test_preemption_goes_down_to_the_sequence_itself():
     scheduler = make_scheduler(num_blocks=3)
     first, second, third = make_seq(4), make_seq(4), make_seq(4)

@@ -9,11 +9,12 @@ import time
 from collections.abc import Collection
 
 from services.engine.core.config import SchedulerConfig
-from services.engine.core.errors import DuplicateRequestError, InvalidRequestError, QueueFullError
+from services.engine.core.errors import DuplicateRequestError, QueueFullError
 from services.engine.core.interfaces import EngineStats, ModelRunner, RequestOutput
+from services.engine.core.request_validator import RequestValidator
 from services.engine.core.sampling_params import SamplingParams
 from services.engine.core.scheduler import Scheduler
-from services.engine.core.sequence import Sequence
+from services.engine.core.sequence import FinishReason, Sequence
 
 
 class EngineCore:
@@ -30,8 +31,8 @@ class EngineCore:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.config = config
         self.runner = runner
-        self.vocab_size = vocab_size
         self.scheduler = Scheduler(config, eos_token_ids)
+        self.validator = RequestValidator.for_config(config, vocab_size)
         self._live: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self._seq_ids = itertools.count()
@@ -65,35 +66,11 @@ class EngineCore:
         self.scheduler.add(seq)
 
     def validate_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        """Raise InvalidRequestError if this request could never run as given.
+        """Raise InvalidRequestError if this request could never run as given (see RequestValidator).
 
         Reads only configuration, so other threads may call it while the engine steps.
         """
-        sampling.validate()
-        num_prompt_tokens = len(prompt_token_ids)
-        max_model_len = self.config.max_model_len
-        if num_prompt_tokens == 0:
-            raise InvalidRequestError("prompt", "must not be empty")
-        if any(not 0 <= token_id < self.vocab_size for token_id in prompt_token_ids):
-            raise InvalidRequestError("prompt.token_ids", f"every id must be in [0, {self.vocab_size})")
-        if num_prompt_tokens > max_model_len:
-            raise InvalidRequestError("prompt", f"{num_prompt_tokens} tokens exceed max_model_len {max_model_len}")
-        if num_prompt_tokens + sampling.max_tokens > max_model_len:
-            raise InvalidRequestError(
-                "max_tokens",
-                f"prompt ({num_prompt_tokens}) + max_tokens ({sampling.max_tokens}) exceeds max_model_len {max_model_len}",
-            )
-        # NOTE: the last sampled token's KV is never computed, so a sequence holds at most
-        # prompt + max_tokens - 1 tokens of KV.
-        block_size = self.config.block_size
-        num_total_blocks = self.scheduler.block_manager.num_total_blocks
-        num_kv_tokens = num_prompt_tokens + sampling.max_tokens - 1
-        if _ceil_div(num_kv_tokens, block_size) > num_total_blocks:
-            field = "prompt" if _ceil_div(num_prompt_tokens, block_size) > num_total_blocks else "max_tokens"
-            raise InvalidRequestError(
-                field,
-                f"needs {num_kv_tokens} tokens of KV cache but it holds only {num_total_blocks * block_size}",
-            )
+        self.validator.validate(prompt_token_ids, sampling)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; the next step() reports it ABORTED.
@@ -108,28 +85,20 @@ class EngineCore:
         return True
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; one output per request that got a token, finished or was aborted."""
-        outputs = [self._make_output(seq, []) for seq in self._aborted]
+        """Run one engine step; one output per request that got a token, finished or was aborted.
+
+        A finished request leaves `_live` here, so its id is free again once its final output is returned.
+        """
+        outputs = [_output_of(seq, []) for seq in self._aborted]
         self._aborted.clear()
         batch = self.scheduler.schedule()
         if batch.seqs:
             sampled_token_ids = self.runner.execute(batch)
             for seq in self.scheduler.postprocess(batch, sampled_token_ids):
-                outputs.append(self._make_output(seq, [seq.last_token_id]))
+                if seq.is_finished:
+                    del self._live[seq.request_id]
+                outputs.append(_output_of(seq, [seq.last_token_id]))
         return outputs
-
-    def _make_output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
-        if seq.is_finished:
-            self._live.pop(seq.request_id, None)
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=new_token_ids,
-            finish_reason=seq.finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_completion_tokens=seq.num_completion_tokens,
-            num_cached_tokens=seq.num_prefix_hit_tokens,
-            matched_stop_token_id=seq.matched_stop_token_id,
-        )
 
     def has_unfinished_requests(self) -> bool:
         """True while any request runs, waits, or still owes its final (aborted) output."""
@@ -151,5 +120,16 @@ class EngineCore:
         )
 
 
-def _ceil_div(numerator: int, denominator: int) -> int:
-    return -(-numerator // denominator)
+def _output_of(seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
+    """A sequence's progress as one step output. NOTE: matched_stop_token_id is set exactly when the finish
+    reason is STOP, to the EOS or stop token id that ended it (always the last generated token)."""
+    stopped = seq.finish_reason == FinishReason.STOP
+    return RequestOutput(
+        request_id=seq.request_id,
+        new_token_ids=new_token_ids,
+        finish_reason=seq.finish_reason,
+        num_prompt_tokens=seq.num_prompt_tokens,
+        num_completion_tokens=seq.num_completion_tokens,
+        num_cached_tokens=seq.num_prefix_hit_tokens,
+        matched_stop_token_id=seq.last_token_id if stopped else None,
+    )

@@ -2,17 +2,21 @@
 
 from dataclasses import dataclass, field
 
-from services.engine.core.errors import InvalidRequestError
+from services.common.validation import check_sampling
+
+# Temperatures below this sample greedily (dividing the logits by them would overflow).
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    temperature 0 means greedy. top_k 0 or -1 disables top-k; top_p 1.0 and min_p 0.0 disable theirs.
-    A `seed` makes this request's draws reproducible whatever else shares the batch.
-    The engine stops on EOS (unless `ignore_eos`) or any of `stop_token_ids`, but not before
+    temperature below MIN_TEMPERATURE (0 included) means greedy. top_k 0 or -1 disables top-k; top_p 1.0
+    and min_p 0.0 disable theirs. A `seed` makes this request's draws reproducible whatever else shares the
+    batch. The engine stops on EOS (unless `ignore_eos`) or any of `stop_token_ids`, but not before
     `min_tokens` completion tokens, and always at `max_tokens`.
+    Invalid values raise InvalidRequestError with the contract's field name ("sampling.top_p").
     """
 
     temperature: float = 1.0
@@ -29,26 +33,14 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise InvalidRequestError naming the first field out of range."""
-        if not self.temperature >= 0.0:
-            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
-        if self.top_k == -1:
-            self.top_k = 0
-        if self.top_k < 0:
-            raise InvalidRequestError("top_k", f"must be >= 1, or 0/-1 to disable, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p < 1.0:
-            raise InvalidRequestError("min_p", f"must be in [0, 1), got {self.min_p}")
-        if self.max_tokens < 1:
-            raise InvalidRequestError("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise InvalidRequestError("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
-        if self.seed is not None and self.seed < 0:
-            raise InvalidRequestError("seed", f"must be >= 0, got {self.seed}")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise InvalidRequestError("stop_token_ids", "ids must be >= 0")
+        """Raise InvalidRequestError naming the first field out of range; changes nothing.
+
+        Stop token ids are checked against the vocabulary by the engine, which knows its size.
+        """
+        check_sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                       max_tokens=self.max_tokens, min_tokens=self.min_tokens, seed=self.seed)
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Whether the sampler takes the argmax for this request."""
+        return self.temperature < MIN_TEMPERATURE

@@ -9,7 +9,8 @@ import torch
 from services.engine.layers.attention import Attention
 from services.engine.runner.cuda_graphs import graph_batch_sizes, measure_cuda_graph_bytes
 from services.engine.runner.inputs import StepInputs, dummy_prefill
-from services.engine.runner.sampler import Sampler, worst_case_sampling_batch
+from services.engine.runner.sampler import Sampler
+from services.engine.runner.sampling_batch import worst_case_sampling_batch
 
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 

@@ -24,7 +24,9 @@ from services.engine.models.registry import get_model_class
 from services.engine.runner.cuda_graphs import DecodeGraphBuffers, DecodeGraphs, graph_batch_sizes
 from services.engine.runner.inputs import StepInputBuilder, StepInputs, cacheless_prefill, to_model_inputs
 from services.engine.runner.kv_cache import allocate_kv_cache, bind_kv_cache, size_kv_cache, unbound_kv_cache
-from services.engine.runner.sampler import Sampler, make_sampling_batch, suppress_stop_tokens_below_min
+from services.engine.runner.min_tokens import suppress_stop_tokens_below_min
+from services.engine.runner.sampler import Sampler
+from services.engine.runner.sampling_batch import make_sampling_batch
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from llmserve.common.v1 import common_pb2
 from llmserve.engine.v1 import engine_pb2
 
 from services.common.convert import RequestClock
-from services.common.errors import InvalidRequestError
+from services.common.validation import check_wire_sampling
 from services.engine.core.interfaces import EngineStats, RequestOutput
 from services.engine.core.sampling_params import SamplingParams
 from services.engine.core.sequence import FinishReason
@@ -20,38 +20,23 @@ def sampling_from_proto(proto: common_pb2.SamplingParams, num_prompt_tokens: int
                         max_model_len: int) -> SamplingParams:
     """Resolved engine sampling values; unset fields take neutral values, unset max_tokens fills the context.
 
-    Raises InvalidRequestError naming the proto field ("sampling.top_p", ...).
+    Raises InvalidRequestError naming the proto field ("sampling.top_p", ...): the checks are
+    services.common.validation's, shared with the tokenizer service and the offline API.
     """
-    if proto.HasField("top_k") and proto.top_k == 0:
-        raise InvalidRequestError("sampling.top_k", "must be >= 1 (leave it unset to disable top-k)")
-    if proto.HasField("num_logprobs"):
-        raise InvalidRequestError("sampling.num_logprobs", "log-probabilities are not supported by this engine yet")
+    check_wire_sampling(top_k=proto.top_k if proto.HasField("top_k") else None,
+                        num_logprobs=proto.num_logprobs if proto.HasField("num_logprobs") else None)
     max_tokens = proto.max_tokens if proto.HasField("max_tokens") else max(max_model_len - num_prompt_tokens, 1)
-    try:
-        return SamplingParams(
-            temperature=proto.temperature if proto.HasField("temperature") else 1.0,
-            top_k=proto.top_k if proto.HasField("top_k") else 0,
-            top_p=proto.top_p if proto.HasField("top_p") else 1.0,
-            min_p=proto.min_p if proto.HasField("min_p") else 0.0,
-            seed=proto.seed if proto.HasField("seed") else None,
-            max_tokens=max_tokens,
-            min_tokens=proto.min_tokens if proto.HasField("min_tokens") else 0,
-            ignore_eos=proto.ignore_eos,
-            stop_token_ids=list(proto.stop_token_ids),
-        )
-    except InvalidRequestError as exc:
-        raise InvalidRequestError(f"sampling.{exc.field}", exc.description) from None
-
-
-def check_stop_token_ids(sampling: SamplingParams, vocab_size: int) -> None:
-    if any(token_id >= vocab_size for token_id in sampling.stop_token_ids):
-        raise InvalidRequestError("sampling.stop_token_ids", f"every id must be below vocab_size {vocab_size}")
-
-
-def prompt_field_name(field: str) -> str:
-    """Core error fields renamed to the engine contract's field names."""
-    return {"prompt": "prompt_token_ids", "prompt.token_ids": "prompt_token_ids",
-            "max_tokens": "sampling.max_tokens"}.get(field, field)
+    return SamplingParams(
+        temperature=proto.temperature if proto.HasField("temperature") else 1.0,
+        top_k=proto.top_k if proto.HasField("top_k") else 0,
+        top_p=proto.top_p if proto.HasField("top_p") else 1.0,
+        min_p=proto.min_p if proto.HasField("min_p") else 0.0,
+        seed=proto.seed if proto.HasField("seed") else None,
+        max_tokens=max_tokens,
+        min_tokens=proto.min_tokens if proto.HasField("min_tokens") else 0,
+        ignore_eos=proto.ignore_eos,
+        stop_token_ids=list(proto.stop_token_ids),
+    )
 
 
 def response_from_output(output: RequestOutput, timing: RequestClock) -> engine_pb2.GenerateResponse:
@@ -65,8 +50,8 @@ def response_from_output(output: RequestOutput, timing: RequestClock) -> engine_
     if output.finish_reason is not None:
         response.finish_reason = _FINISH_REASONS[output.finish_reason]
         response.timing.CopyFrom(timing.to_proto())
-        if output.finish_reason == FinishReason.STOP and output.new_token_ids:
-            response.matched_stop_token_id = output.new_token_ids[-1]
+        if output.matched_stop_token_id is not None:
+            response.matched_stop_token_id = output.matched_stop_token_id
     return response
 
 

@@ -57,13 +57,15 @@ class Front:
     async def serve(self, port: int, workers: WorkerGroup | None = None, on_ready=None) -> None:
         """Serve until signalled. The first front (with `workers`) warms the engine up and supervises."""
         from services.engine.serving.async_engine import AsyncEngine
-        from services.engine.serving.server import SERVICE_NAME, EngineServicer, RequestValidator, engine_info
+        from services.engine.core.request_validator import RequestValidator
+        from services.engine.serving.server import SERVICE_NAME, EngineServicer, engine_info
 
         engine = await asyncio.to_thread(AsyncEngine.connect, self.connection, self._core_lost, CORE_START_TIMEOUT_S)
         engine.start()
         description = engine.description
         state = ServingState(SERVICE_NAME)
-        servicer = EngineServicer(engine, engine_info(description), state, RequestValidator(description))
+        validator = RequestValidator.for_config(description.scheduler_config, description.vocab_size)
+        servicer = EngineServicer(engine, engine_info(description), state, validator)
         max_receive_bytes = 5 * description.scheduler_config.max_model_len + MESSAGE_OVERHEAD_BYTES
         server = build_server([SERVICE_NAME], state, servicer.register, reuse_port=self.args.api_workers > 1,
                               max_receive_bytes=max_receive_bytes)

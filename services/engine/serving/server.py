@@ -11,7 +11,8 @@ from services.common.errors import InvalidRequestError, UnavailableError
 from services.common.grpc_server import ServingState, request_id_var
 from services.engine.serving.async_engine import AsyncEngine
 from services.engine.serving.convert import (
-    RequestClock, check_stop_token_ids, load_report, prompt_field_name, response_from_output, sampling_from_proto)
+    RequestClock, load_report, response_from_output, sampling_from_proto)
+from services.engine.core.request_validator import RequestValidator
 from services.engine.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     """Streams sampled token ids per engine step; cancellation aborts the sequence within one step."""
 
     def __init__(self, engine: AsyncEngine, info: engine_pb2.GetEngineInfoResponse, state: ServingState,
-                 validator=None):
+                 validator: RequestValidator):
         self.engine = engine
         self.info = info
         self.state = state
@@ -45,12 +46,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             raise InvalidRequestError("request_id", "must not be empty")
         request_id_var.set(request.request_id)
         prompt = list(request.prompt_token_ids)
-        sampling = self._sampling(request, len(prompt))
-        if self.validator is not None:
-            try:
-                self.validator.validate_request(prompt, sampling)
-            except InvalidRequestError as exc:
-                raise InvalidRequestError(prompt_field_name(exc.field), exc.description) from None
+        sampling = sampling_from_proto(request.sampling, len(prompt), self.info.max_model_len)
+        self.validator.validate(prompt, sampling)
         clock = RequestClock()
         stream = self.engine.generate(request.request_id, prompt, sampling)
         async with contextlib.aclosing(stream):
@@ -62,11 +59,6 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                                 output.num_prompt_tokens, output.num_completion_tokens)
                 yield response_from_output(output, clock)
 
-    def _sampling(self, request: engine_pb2.GenerateRequest, num_prompt_tokens: int) -> SamplingParams:
-        sampling = sampling_from_proto(request.sampling, num_prompt_tokens, self.info.max_model_len)
-        check_stop_token_ids(sampling, self.info.vocab_size)
-        return sampling
-
     async def Abort(self, request: engine_pb2.AbortRequest, context) -> engine_pb2.AbortResponse:
         aborted = await self.engine.abort_any(list(request.request_ids))
         return engine_pb2.AbortResponse(aborted_request_ids=aborted)
@@ -76,19 +68,6 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     async def GetLoad(self, request, context) -> engine_pb2.LoadReport:
         return load_report(self.engine.stats(), self.engine.num_finished_requests, self.state.draining)
-
-
-class RequestValidator:
-    """Checks a request against the engine's limits in the front, before it reaches the core process."""
-
-    def __init__(self, description):
-        from services.engine.core.engine import EngineCore
-
-        self._core = EngineCore(description.scheduler_config, runner=None, eos_token_ids=description.eos_token_ids,
-                                vocab_size=description.vocab_size)
-
-    def validate_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        self._core.validate_request(prompt_token_ids, sampling)
 
 
 def engine_info(description) -> engine_pb2.GetEngineInfoResponse:

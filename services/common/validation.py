@@ -1,0 +1,75 @@
+"""The one validator of request values, shared by every entry point (tokenizer service, engine service, offline LLM).
+
+Pure Python: no protobuf, no torch. Each check raises InvalidRequestError whose `field` is the contract's name
+(protos/llmserve/common/v1/common.proto, engine/v1/engine.proto): "sampling.temperature", "prompt_token_ids", ...
+A caller whose prompt field has another name on its own contract (the public API's "text", "chat",
+"token_ids.ids") passes that name in.
+"""
+
+import math
+from collections.abc import Sequence
+
+from services.common.errors import InvalidRequestError
+
+PROMPT_TOKEN_IDS = "prompt_token_ids"
+MAX_TOKENS = "sampling.max_tokens"
+STOP_TOKEN_IDS = "sampling.stop_token_ids"
+
+
+def check_sampling(*, temperature: float, top_k: int, top_p: float, min_p: float, max_tokens: int,
+                   min_tokens: int, seed: int | None) -> None:
+    """Raise InvalidRequestError("sampling.<name>") for the first value out of its documented range.
+
+    temperature: finite, >= 0 (0 = greedy). top_k: >= 1, or 0 / -1 to disable it. top_p: (0, 1].
+    min_p: [0, 1). max_tokens >= 1. min_tokens: [0, max_tokens]. seed: None or >= 0.
+    NaN fails every range.
+    """
+    if not (math.isfinite(temperature) and temperature >= 0.0):
+        raise InvalidRequestError("sampling.temperature", f"must be a finite number >= 0, got {temperature}")
+    if top_k < -1:
+        raise InvalidRequestError("sampling.top_k", f"must be >= 1, or 0 / -1 to disable top-k, got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise InvalidRequestError("sampling.top_p", f"must be in (0, 1], got {top_p}")
+    if not 0.0 <= min_p < 1.0:
+        raise InvalidRequestError("sampling.min_p", f"must be in [0, 1), got {min_p}")
+    if max_tokens < 1:
+        raise InvalidRequestError(MAX_TOKENS, f"must be >= 1, got {max_tokens}")
+    if not 0 <= min_tokens <= max_tokens:
+        raise InvalidRequestError("sampling.min_tokens", f"must be in [0, max_tokens={max_tokens}], got {min_tokens}")
+    if seed is not None and seed < 0:
+        raise InvalidRequestError("sampling.seed", f"must be >= 0, got {seed}")
+
+
+def check_wire_sampling(*, top_k: int | None, num_logprobs: int | None) -> None:
+    """The checks only the gRPC contracts have (None = the field is unset).
+
+    An explicit top_k of 0 is rejected there (unset disables top-k), and log-probabilities are not computed yet.
+    """
+    if top_k == 0:
+        raise InvalidRequestError("sampling.top_k", "must be >= 1 (leave it unset to disable top-k)")
+    if num_logprobs is not None:
+        raise InvalidRequestError("sampling.num_logprobs", "log-probabilities are not supported yet")
+
+
+def check_token_ids(field: str, token_ids: Sequence[int], vocab_size: int) -> None:
+    """Raise InvalidRequestError(field) unless every id is in [0, vocab_size)."""
+    bad = next((token_id for token_id in token_ids if not 0 <= token_id < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(field, f"token id {bad} is not in [0, vocab_size={vocab_size})")
+
+
+def check_prompt(field: str, prompt_token_ids: Sequence[int], vocab_size: int, max_model_len: int) -> None:
+    """A prompt must be non-empty, in the vocabulary and no longer than max_model_len."""
+    if not prompt_token_ids:
+        raise InvalidRequestError(field, "must not be empty")
+    check_token_ids(field, prompt_token_ids, vocab_size)
+    if len(prompt_token_ids) > max_model_len:
+        raise InvalidRequestError(field, f"the prompt has {len(prompt_token_ids)} tokens; "
+                                         f"max_model_len is {max_model_len}")
+
+
+def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """prompt + max_tokens must fit in max_model_len (blamed on max_tokens: the prompt alone fits)."""
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise InvalidRequestError(MAX_TOKENS, f"prompt ({num_prompt_tokens}) + max_tokens ({max_tokens}) "
+                                              f"exceeds max_model_len {max_model_len}")
