@@ -29,7 +29,7 @@ from services.engine.core.engine import EngineCore  # noqa: E402
 from services.engine.core.interfaces import SchedulerOutput  # noqa: E402
 from services.engine.core.sampling_params import SamplingParams  # noqa: E402
 from services.engine.runner.inputs import StepInputBuilder  # noqa: E402
-from services.engine.runner.sampler import make_sampling_batch  # noqa: E402
+from services.engine.runner.sampling_batch import make_sampling_batch  # noqa: E402
 
 EOS_TOKEN_ID = 0
 SAMPLED_TOKEN_ID = 7

@@ -184,8 +184,8 @@ def test_termination_grace_covers_the_drain(objects, component):
     pod = deployment(objects, component)["spec"]["template"]["spec"]
     spec = container(objects, component)
     drain_s = prestop_sleep_s(spec) + parsed_args(objects, component).grace_period
-    if component == "engine":  # after the grace period it joins its fronts and core process
-        drain_s += engine_main.JOIN_TIMEOUT_S
+    if component == "engine":  # after the grace period it waits for its core process to leave
+        drain_s += engine_main.CORE_EXIT_TIMEOUT_S
     assert pod["terminationGracePeriodSeconds"] > drain_s
 
 

@@ -9,7 +9,7 @@ from llmserve.common.v1 import common_pb2
 from llmserve.engine.v1 import engine_pb2
 from services.tokenizer.engine_client import EngineStream
 from services.tokenizer.server import _push
-from services.tokenizer.stop import TextStream
+from services.tokenizer.text_stream import TextStream
 
 
 class ScriptedCall:
