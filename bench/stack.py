@@ -219,13 +219,16 @@ def run_config(args, label: str, extra: tuple[list[str], list[str]], workload, p
 
 def worker_configs(args) -> list[tuple[str, tuple[list[str], list[str]]]]:
     """(label, (extra engine flags, extra tokenizer flags)) per configuration to measure."""
+    interval = ["--stream-interval", str(args.stream_interval)] if args.stream_interval is not None else []
+    suffix = f" si {args.stream_interval}" if interval else ""
     if args.worker_counts:
-        return [(f"workers {n}", (["--api-workers", str(n)], ["--workers", str(n)]))
+        return [(f"workers {n}{suffix}", (["--api-workers", str(n), *interval], ["--workers", str(n)]))
                 for n in (int(v) for v in args.worker_counts.split(","))]
     engine_extra = ["--api-workers", str(args.api_workers)] if args.api_workers is not None else []
     tokenizer_extra = ["--workers", str(args.workers)] if args.workers is not None else []
     parts = [f"api {args.api_workers}" if engine_extra else "", f"tok {args.workers}" if tokenizer_extra else ""]
-    return [(" ".join(p for p in parts if p) or "default", (engine_extra, tokenizer_extra))]
+    label = (" ".join(p for p in parts if p) or "default") + suffix
+    return [(label, (engine_extra + interval, tokenizer_extra))]
 
 
 def engine_kwargs(args) -> dict:
@@ -249,6 +252,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--worker-counts", default=None, help="comma-separated N: a configuration per N with both flags below")
     add("--api-workers", type=int, default=None, help="engine service --api-workers (passed only when given)")
     add("--workers", type=int, default=None, help="tokenizer service --workers (passed only when given)")
+    add("--stream-interval", type=int, default=None, help="engine service --stream-interval (passed only when given)")
     add("--ttft-streams", type=int, default=64, help="streams of the load beside the TTFT probe (0: skip)")
     add("--ttft-probe", type=int, default=16, metavar="PAIRS", help="paired unloaded TTFT probe (0: skip)")
     add("--json", default=None, metavar="PATH", help="also write the report as JSON")

@@ -82,7 +82,7 @@ class Harness:
     """A CoreLoop on a thread over the real EngineCore, with `num_fronts` AsyncEngine fronts connected to it."""
 
     def __init__(self, runner: GatedRunner, max_waiting: int = 0, num_blocks: int = 8, num_fronts: int = 1,
-                 max_num_batched_tokens: int = 64):
+                 max_num_batched_tokens: int = 64, stream_interval: int = 1):
         config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens, max_model_len=64, block_size=BLOCK_SIZE,
                                  num_kvcache_blocks=num_blocks, max_waiting=max_waiting)
         self.runner = runner
@@ -94,7 +94,8 @@ class Harness:
         self.thread = threading.Thread(target=self.loop.run, name="core-loop", daemon=True)
         self.thread.start()
         self.lost: list[int] = []
-        self.fronts = [AsyncEngine.connect(front_end, on_core_lost=lambda i=i: self.lost.append(i), timeout_s=10)
+        self.fronts = [AsyncEngine.connect(front_end, on_core_lost=lambda i=i: self.lost.append(i), timeout_s=10,
+                                           stream_interval=stream_interval)
                        for i, (front_end, _) in enumerate(pairs)]
 
     @property
@@ -263,6 +264,29 @@ def test_a_slow_reader_gets_every_pending_token_in_one_output():
             while last.finish_reason is None:
                 last = await anext(stream)
             assert last.finish_reason == FinishReason.LENGTH and last.num_completion_tokens == 6
+
+    run(scenario())
+
+
+def test_a_stream_interval_sends_the_first_token_alone_then_every_n_tokens_and_the_finish_at_once():
+    async def scenario() -> None:
+        runner = GatedRunner()
+        async with harness(runner, num_blocks=16, stream_interval=3) as h:
+            stream = h.engine.generate("a", prompt(4), greedy(6))
+            runner.release(1)
+            first = await anext(stream)
+            assert first.new_token_ids == [runner.token("a", 0)]
+            runner.release(2)
+            await until(lambda: h.engine.stats().num_generated_tokens == 3, "two more steps")
+            waiting = asyncio.ensure_future(anext(stream))
+            await asyncio.sleep(0.05)  # two pending tokens are fewer than the interval: nothing to read yet
+            assert not waiting.done()
+            runner.release(1)
+            assert (await waiting).new_token_ids == [runner.token("a", i) for i in (1, 2, 3)]
+            runner.release(2)
+            last = await anext(stream)
+            assert last.new_token_ids == [runner.token("a", 4), runner.token("a", 5)]
+            assert last.finish_reason == FinishReason.LENGTH
 
     run(scenario())
 

@@ -43,6 +43,12 @@ class _Stream:
         self.error: BaseException | None = None
         self.waiter: asyncio.Future | None = None
 
+    def has_output(self, interval: int) -> bool:
+        """Whether the reader should write now: the first token, `interval` pending tokens, the end or an error."""
+        if self.finished is not None or self.error is not None:
+            return True
+        return len(self.pending) >= interval or (self.num_completion_tokens == 0 and bool(self.pending))
+
     def wake(self) -> None:
         waiter = self.waiter
         if waiter is not None:
@@ -65,13 +71,18 @@ class _Stream:
 class AsyncEngine:
     """Streams RequestOutputs of the engine-core process to asyncio callers; `abort` is idempotent.
 
+    `stream_interval` N > 1 wakes a stream's reader only once N tokens are pending (the first token and the
+    finish at once): N times fewer messages on both hops for burstier inter-token times (SGLang's and
+    vLLM's --stream-interval).
+
     `on_core_lost` is called once (on the event loop) if the core's connection closes while this front
     still wants it: every open stream has already failed with UnavailableError by then.
     """
 
-    def __init__(self, connection, description, on_core_lost=None):
+    def __init__(self, connection, description, on_core_lost=None, stream_interval: int = 1):
         self._connection = connection
         self.description = description
+        self._stream_interval = stream_interval
         self._on_core_lost = on_core_lost
         self._streams: dict[int, _Stream] = {}
         self._handles: dict[str, int] = {}
@@ -87,7 +98,8 @@ class AsyncEngine:
         self.core_lost = False
 
     @classmethod
-    def connect(cls, connection, on_core_lost=None, timeout_s: float | None = None) -> "AsyncEngine":
+    def connect(cls, connection, on_core_lost=None, timeout_s: float | None = None,
+                stream_interval: int = 1) -> "AsyncEngine":
         """Wait (blocking) for the core's EngineReady on this connection; raise its start-up error, if any."""
         if timeout_s is not None and not connection.poll(timeout_s):
             raise RuntimeError("the engine core did not start in time")
@@ -98,7 +110,7 @@ class AsyncEngine:
         assert isinstance(ready, EngineReady)
         if isinstance(ready.description, BaseException):
             raise ready.description
-        return cls(connection, ready.description, on_core_lost)
+        return cls(connection, ready.description, on_core_lost, stream_interval)
 
     def start(self) -> None:
         """Start relaying; call on the event loop that will consume the streams."""
@@ -142,7 +154,7 @@ class AsyncEngine:
         finished = False
         try:
             while True:
-                if not stream.pending and stream.finished is None and stream.error is None:
+                if not stream.has_output(self._stream_interval):
                     stream.waiter = self._loop.create_future()
                     await stream.waiter
                 if stream.error is not None:
@@ -203,7 +215,7 @@ class AsyncEngine:
     def _deliver_step(self, message: StepOutputs) -> None:
         self._stats = message.stats
         self.num_finished_requests = message.num_finished_requests
-        streams = self._streams
+        streams, interval = self._streams, self._stream_interval
         for handle, token_id, num_cached in zip(message.handles, message.token_ids, message.num_cached_tokens):
             stream = streams.get(handle)
             if stream is None:
@@ -211,7 +223,8 @@ class AsyncEngine:
             if token_id != NO_TOKEN:
                 stream.pending.append(token_id)
             stream.num_cached_tokens = num_cached
-            stream.wake()
+            if stream.has_output(interval):
+                stream.wake()
         for finished in message.finished:
             stream = streams.get(finished.handle)
             if stream is not None:

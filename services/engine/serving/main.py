@@ -36,12 +36,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--api-workers", type=int, default=0,
                         help="gRPC front processes sharing the port (0 = one per two spare cores, at most 4; "
                              "each relays its streams to the one engine-core process)")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="send a stream's tokens every N tokens (the first and the last at once): fewer, larger "
+                             "messages on both hops, at the cost of burstier inter-token times")
     parser.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get on SIGTERM")
     parser.add_argument("--log-level", default=os.environ.get("LLMSERVE_LOG_LEVEL", "INFO"))
     add_engine_args(parser)
     args = parser.parse_args(argv)
     if args.api_workers < 0:
         parser.error("--api-workers must be >= 0")
+    if args.stream_interval < 1:
+        parser.error("--stream-interval must be >= 1")
     args.api_workers = args.api_workers or default_api_workers()
     return args
 
@@ -60,7 +65,8 @@ class Front:
         from services.engine.core.request_validator import RequestValidator
         from services.engine.serving.server import SERVICE_NAME, EngineServicer, engine_info
 
-        engine = await asyncio.to_thread(AsyncEngine.connect, self.connection, self._core_lost, CORE_START_TIMEOUT_S)
+        engine = await asyncio.to_thread(AsyncEngine.connect, self.connection, self._core_lost, CORE_START_TIMEOUT_S,
+                                         self.args.stream_interval)
         engine.start()
         description = engine.description
         state = ServingState(SERVICE_NAME)
