@@ -234,6 +234,7 @@ def test_leaving_the_iteration_early_aborts_and_frees_blocks_within_a_step():
                     assert output.new_token_ids == [runner.token("a", 0)]
                     break
             assert not h.engine.is_live("a")
+            assert h.engine.num_finished_requests == 1, "a cancelled call is finished once its stream closes"
             await until(lambda: h.core_ends[0].poll() or h.core.stats().num_used_blocks == 0,
                         "the abort to reach the core")
             steps_at_cancel = runner.num_steps

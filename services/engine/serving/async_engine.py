@@ -90,7 +90,8 @@ class AsyncEngine:
         self._queries: dict[int, asyncio.Future] = {}
         self._next_query = itertools.count()
         self._stats = EngineStats(0, 0, 0, description.num_total_blocks, description.num_total_blocks, 0, 0, 0, 0)
-        self.num_finished_requests = 0
+        self._num_finished_in_core = 0
+        self._aborting: set[int] = set()  # handles whose abort this front sent and the core has not yet reported
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_commands, name="engine-core-writer", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -134,6 +135,12 @@ class AsyncEngine:
         """The engine's figures as of the last step this front heard of."""
         return self._stats
 
+    @property
+    def num_finished_requests(self) -> int:
+        """Requests finished, whatever the reason: the core's count, plus this front's aborts still on their way
+        (a cancelled call is over for its caller as soon as its stream closes)."""
+        return self._num_finished_in_core + len(self._aborting)
+
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs, each with every token produced since the previous one.
@@ -170,6 +177,8 @@ class AsyncEngine:
             self._handles.pop(request_id, None)
             if not finished and not self.core_lost:
                 self._commands.put(AbortRequests([request_id]))
+                if stream.finished is None:  # else the core has counted it already
+                    self._aborting.add(handle)
 
     def is_live(self, request_id: str) -> bool:
         """Whether this front has a stream open for the request."""
@@ -214,7 +223,7 @@ class AsyncEngine:
 
     def _deliver_step(self, message: StepOutputs) -> None:
         self._stats = message.stats
-        self.num_finished_requests = message.num_finished_requests
+        self._num_finished_in_core = message.num_finished_requests
         streams, interval = self._streams, self._stream_interval
         for handle, token_id, num_cached in zip(message.handles, message.token_ids, message.num_cached_tokens):
             stream = streams.get(handle)
@@ -226,6 +235,7 @@ class AsyncEngine:
             if stream.has_output(interval):
                 stream.wake()
         for finished in message.finished:
+            self._aborting.discard(finished.handle)
             stream = streams.get(finished.handle)
             if stream is not None:
                 stream.finished = finished
