@@ -184,9 +184,6 @@ class AsyncEngine:
         """Whether this front has a stream open for the request."""
         return request_id in self._handles
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(AbortRequests([request_id]))
-
     async def abort_any(self, request_ids: list[str]) -> list[str]:
         """Abort these ids on whichever front they run; return the ones that were live."""
         if self.core_lost:
