@@ -34,6 +34,7 @@ import contextlib
 import ctypes
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import socket
@@ -150,7 +151,11 @@ class WorkerGroup:
                 loop.remove_reader(sentinel)
         if not self.stopping:
             self.failed = True
-            gone = [(p.name, p.exitcode) for p in self.processes if not p.is_alive()]
+            ready = multiprocessing.connection.wait([p.sentinel for p in self.processes], timeout=0)
+            for process in self.processes:
+                if process.sentinel in ready:
+                    process.join(KILL_WAIT_S)  # its sentinel closed: it is exiting; reap it to read its code
+            gone = [(p.name, p.exitcode) for p in self.processes if p.sentinel in ready]
             logger.error("worker process exited unexpectedly (name, exit code): %s", gone)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
