@@ -8,7 +8,8 @@ import pytest
 import xxhash
 
 from services.engine.core import block_manager as block_manager_module
-from services.engine.core.block_manager import BlockManager, _FreeQueue, hash_block_tokens
+from services.common.block_hash import hash_block_tokens, prompt_block_hashes
+from services.engine.core.block_manager import BlockManager, _FreeQueue
 from services.engine.core.sampling_params import SamplingParams
 from services.engine.core.sequence import Sequence
 
@@ -55,6 +56,28 @@ def test_same_prefix_and_tokens_give_same_hash():
     assert hash_block_tokens([1, 2, 3, 4], None) == first
     assert hash_block_tokens([5, 6, 7, 8], first) == hash_block_tokens([5, 6, 7, 8], hash_block_tokens([1, 2, 3, 4], None))
     assert hash_block_tokens([1, 2, 3, 5], None) != first
+
+
+def test_hash_follows_the_documented_byte_layout():
+    """engine.proto tells other-language subscribers this exact rule: xxh64 of parent LE u64 + LE int32 ids."""
+    import struct
+
+    import xxhash
+
+    first = xxhash.xxh64_intdigest(struct.pack("<4i", 1, 2, 3, 4))
+    assert hash_block_tokens([1, 2, 3, 4], None) == first
+    assert hash_block_tokens([5, 6, 7, 8], first) == xxhash.xxh64_intdigest(struct.pack("<Q4i", first, 5, 6, 7, 8))
+
+
+def test_router_prompt_hashes_equal_the_engines_cached_block_hashes():
+    manager = BlockManager(num_blocks=8, block_size=4)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    seq = admit_and_compute(manager, prompt)
+    cached = [manager.block_hashes[block_id] for block_id in seq.block_table[:2]]
+    assert prompt_block_hashes(prompt, 4) == cached
+    assert prompt_block_hashes(prompt[:8], 4) == cached
+    assert prompt_block_hashes(prompt[:7], 4) == cached[:1]
+    assert prompt_block_hashes(prompt[:3], 4) == []
 
 
 def test_same_tokens_after_different_prefix_hash_differently():

@@ -9,30 +9,9 @@ millions of blocks is built in milliseconds: building costs a few zero-filled bu
 """
 
 from array import array
-from collections.abc import Sequence as TokenIds
 
-import xxhash
-
+from services.common.block_hash import block_key, hash_block_key
 from services.engine.core.sequence import Sequence
-
-
-def block_key(token_ids: TokenIds[int], prefix_hash: int | None) -> bytes:
-    """What a block's hash digests: the previous block's hash (none for the first block), then its token ids.
-
-    Kept per cached block as its collision guard: a hit counts only if the stored key equals the query's,
-    so both the tokens and the parent hash must match.
-    """
-    tokens = array("i", token_ids).tobytes()
-    return tokens if prefix_hash is None else prefix_hash.to_bytes(8, "little") + tokens
-
-
-def hash_block_key(key: bytes) -> int:
-    return xxhash.xxh64_intdigest(key)
-
-
-def hash_block_tokens(token_ids: TokenIds[int], prefix_hash: int | None) -> int:
-    """xxh64 of one block's token ids chained with the hash of the block before it (None for the first)."""
-    return hash_block_key(block_key(token_ids, prefix_hash))
 
 
 class _FreeQueue:

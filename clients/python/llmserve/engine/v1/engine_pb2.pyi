@@ -112,3 +112,21 @@ class LoadReport(_message.Message):
     num_finished_requests: int
     draining: bool
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_cached_prompt_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class SubscribeKvEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SubscribeKvEventsResponse(_message.Message):
+    __slots__ = ("snapshot", "stored_block_hashes", "removed_block_hashes", "block_size", "load")
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    snapshot: bool
+    stored_block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    removed_block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    load: LoadReport
+    def __init__(self, snapshot: _Optional[bool] = ..., stored_block_hashes: _Optional[_Iterable[int]] = ..., removed_block_hashes: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ...) -> None: ...

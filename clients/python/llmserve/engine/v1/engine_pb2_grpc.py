@@ -55,6 +55,11 @@ class EngineServiceStub:
                 request_serializer=llmserve_dot_engine_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=llmserve_dot_engine_dot_v1_dot_engine__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.SubscribeKvEvents = channel.unary_stream(
+                '/llmserve.engine.v1.EngineService/SubscribeKvEvents',
+                request_serializer=llmserve_dot_engine_dot_v1_dot_engine__pb2.SubscribeKvEventsRequest.SerializeToString,
+                response_deserializer=llmserve_dot_engine_dot_v1_dot_engine__pb2.SubscribeKvEventsResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -97,6 +102,16 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeKvEvents(self, request, context):
+        """Streams the changes of the engine's prefix cache, for prefix-cache-aware
+        routing: the first message is a snapshot of every cached block, each
+        later one what a step stored and evicted. The stream runs until the
+        caller cancels it or the engine stops (then UNAVAILABLE).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -119,6 +134,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=llmserve_dot_engine_dot_v1_dot_engine__pb2.GetLoadRequest.FromString,
                     response_serializer=llmserve_dot_engine_dot_v1_dot_engine__pb2.LoadReport.SerializeToString,
+            ),
+            'SubscribeKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKvEvents,
+                    request_deserializer=llmserve_dot_engine_dot_v1_dot_engine__pb2.SubscribeKvEventsRequest.FromString,
+                    response_serializer=llmserve_dot_engine_dot_v1_dot_engine__pb2.SubscribeKvEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -230,6 +250,33 @@ class EngineService:
             '/llmserve.engine.v1.EngineService/GetLoad',
             llmserve_dot_engine_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
             llmserve_dot_engine_dot_v1_dot_engine__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/llmserve.engine.v1.EngineService/SubscribeKvEvents',
+            llmserve_dot_engine_dot_v1_dot_engine__pb2.SubscribeKvEventsRequest.SerializeToString,
+            llmserve_dot_engine_dot_v1_dot_engine__pb2.SubscribeKvEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,
