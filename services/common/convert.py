@@ -34,3 +34,9 @@ def _duration(seconds: float) -> duration_pb2.Duration:
     duration = duration_pb2.Duration()
     duration.FromNanoseconds(int(seconds * 1e9))
     return duration
+
+
+def constraint_fields(sampling: common_pb2.SamplingParams) -> dict:
+    """The structured-output field set in SamplingParams' `constraint` oneof, as {name: value} ({} for none)."""
+    kind = sampling.WhichOneof("constraint")
+    return {} if kind is None else {kind: getattr(sampling, kind)}

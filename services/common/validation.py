@@ -6,6 +6,7 @@ A caller whose prompt field has another name on its own contract (the public API
 "token_ids.ids") passes that name in.
 """
 
+import json
 import math
 from collections.abc import Sequence
 
@@ -73,3 +74,47 @@ def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> N
     if num_prompt_tokens + max_tokens > max_model_len:
         raise InvalidRequestError(MAX_TOKENS, f"prompt ({num_prompt_tokens}) + max_tokens ({max_tokens}) "
                                               f"exceeds max_model_len {max_model_len}")
+
+
+# Structured-output constraints: the kind of each (also the contract's field name after "sampling.").
+CONSTRAINT_KINDS = ("json_schema", "regex", "grammar", "json_object")
+
+
+def check_constraint(*, json_schema: str | None = None, regex: str | None = None, grammar: str | None = None,
+                     json_object: bool = False, ignore_eos: bool = False, min_tokens: int = 0) -> tuple[str, str] | None:
+    """The request's structured-output constraint as (kind, text), or None when unconstrained.
+
+    At most one kind may be set; a set text must be non-empty and a JSON schema must be a JSON object (or
+    boolean). Whether a schema, regex or grammar compiles is the engine's to say (it compiles them); this
+    is the cheap, pure-Python part every entry point shares. A constraint ends on EOS, so it cannot be
+    combined with ignore_eos, nor with min_tokens (which would ban EOS where the grammar needs it).
+    """
+    given = {"json_schema": json_schema, "regex": regex, "grammar": grammar, "json_object": json_object or None}
+    kinds = [kind for kind in CONSTRAINT_KINDS if given[kind] is not None]
+    if not kinds:
+        return None
+    if len(kinds) > 1:
+        raise InvalidRequestError(f"sampling.{kinds[1]}", f"only one of {', '.join(CONSTRAINT_KINDS)} may be set; "
+                                                          f"got {' and '.join(kinds)}")
+    kind = kinds[0]
+    text = "" if kind == "json_object" else given[kind]
+    if kind != "json_object" and (not isinstance(text, str) or not text.strip()):
+        raise InvalidRequestError(f"sampling.{kind}", "must be a non-empty string")
+    if kind == "json_schema":
+        _check_json_schema_text(text)
+    if ignore_eos:
+        raise InvalidRequestError("sampling.ignore_eos", f"cannot be combined with sampling.{kind}: "
+                                                         "a constrained completion ends on EOS")
+    if min_tokens > 0:
+        raise InvalidRequestError("sampling.min_tokens", f"cannot be combined with sampling.{kind}: "
+                                                         "the grammar decides where the completion ends")
+    return kind, text
+
+
+def _check_json_schema_text(text: str) -> None:
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequestError("sampling.json_schema", f"is not valid JSON: {exc}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidRequestError("sampling.json_schema", f"must be a JSON object, got {type(schema).__name__}")

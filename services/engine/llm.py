@@ -55,6 +55,7 @@ class LLM:
         self.tokenizer = tokenizer
         self.eos_token_ids = self._eos_token_ids()
         runner.eos_token_ids = self.eos_token_ids  # the sampler keeps them out until min_tokens
+        runner.enable_structured_output(tokenizer, self.eos_token_ids)
         config = args.scheduler_config(runner.max_model_len, runner.num_kvcache_blocks)
         self.engine = EngineCore(config, runner, self.eos_token_ids, runner.vocab_size)
         self._request_ids = itertools.count()

@@ -7,9 +7,11 @@ from llmserve.common.v1 import common_pb2
 from llmserve.engine.v1 import engine_pb2
 from llmserve.textgen.v1 import textgen_pb2
 
+from services.common.convert import constraint_fields
 from services.common.errors import InvalidRequestError
 from services.common.validation import (
-    STOP_TOKEN_IDS, check_fits, check_prompt, check_sampling, check_token_ids, check_wire_sampling)
+    STOP_TOKEN_IDS, check_constraint, check_fits, check_prompt, check_sampling, check_token_ids,
+    check_wire_sampling)
 from services.tokenizer.stop import validate_stop_strings
 from services.tokenizer.tokenizer import TextTokenizer
 
@@ -75,6 +77,8 @@ def resolve_sampling(proto: common_pb2.SamplingParams, defaults: dict, num_promp
                    seed=resolved.seed if resolved.HasField("seed") else None)
     check_fits(num_prompt_tokens, resolved.max_tokens, max_model_len)
     check_token_ids(STOP_TOKEN_IDS, list(resolved.stop_token_ids), vocab_size)
+    # The constraint passes through as it is; the engine compiles it (and rejects what does not compile).
+    check_constraint(**constraint_fields(resolved), ignore_eos=resolved.ignore_eos, min_tokens=resolved.min_tokens)
     return resolved
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
@@ -36,6 +37,8 @@ SAMPLING_FIELDS = (
     "ignore_eos",
     "num_logprobs",
 )
+# Structured output: at most one (a oneof in SamplingParams); json_schema may also be given as a dict.
+CONSTRAINT_FIELDS = ("json_schema", "regex", "grammar", "json_object")
 
 
 class GenerateOptions(TypedDict, total=False):
@@ -50,6 +53,10 @@ class GenerateOptions(TypedDict, total=False):
     min_tokens: int | None
     ignore_eos: bool | None
     num_logprobs: int | None
+    json_schema: str | Mapping[str, Any] | None
+    regex: str | None
+    grammar: str | None
+    json_object: bool | None
     stop_token_ids: Sequence[int] | None
     stop: str | Sequence[str] | None
     skip_special_tokens: bool | None
@@ -102,12 +109,24 @@ def build_generate_request(
         if options.get(name) is not None:
             setattr(request.sampling, name, options[name])
     request.sampling.stop_token_ids.extend(options.get("stop_token_ids") or ())
+    _set_constraint(request.sampling, options)
     stop = options.get("stop")
     request.stop.extend([stop] if isinstance(stop, str) else (stop or ()))
     for name in _REQUEST_OPTIONS:
         if options.get(name) is not None:
             setattr(request, name, options[name])
     return request
+
+
+def _set_constraint(sampling: common_pb2.SamplingParams, options: Mapping[str, Any]) -> None:
+    given = [name for name in CONSTRAINT_FIELDS if options.get(name) is not None]
+    if len(given) > 1:
+        raise TypeError(f"pass at most one of {', '.join(CONSTRAINT_FIELDS)}; got {', '.join(given)}")
+    for name in given:
+        value = options[name]
+        if name == "json_schema" and not isinstance(value, str):
+            value = json.dumps(value)
+        setattr(sampling, name, value)
 
 
 def build_tokenize_request(

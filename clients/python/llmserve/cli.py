@@ -41,6 +41,12 @@ def _add_generate(subparsers: Any) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
     parser.add_argument("--ignore-eos", action="store_const", const=True, default=None)
+    constraint = parser.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", metavar="FILE", help="constrain the output to this JSON schema file")
+    constraint.add_argument("--regex", help="constrain the output to match this regular expression")
+    constraint.add_argument("--grammar", metavar="FILE", help="constrain the output to this EBNF grammar file")
+    constraint.add_argument("--json-object", action="store_const", const=True, default=None,
+                            help="constrain the output to a JSON object")
     parser.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--include-stop-str", action="store_const", const=True, default=None)
     parser.add_argument("--chat", action="store_true", help="send the prompt as one user chat message")
@@ -83,6 +89,10 @@ def _generate(client: LLMServeClient, args: argparse.Namespace) -> int:
         "skip_special_tokens": args.skip_special_tokens,
         "include_stop_str_in_output": args.include_stop_str,
         "request_id": args.request_id,
+        "json_schema": _read_file(args.json_schema),
+        "regex": args.regex,
+        "grammar": _read_file(args.grammar),
+        "json_object": args.json_object,
     }
     if args.chat or args.system is not None:
         messages = [ChatMessage("user", args.prompt)]
@@ -109,6 +119,16 @@ def _generate(client: LLMServeClient, args: argparse.Namespace) -> int:
     if not last.endswith("\n"):
         print()
     return EXIT_OK
+
+
+def _read_file(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.read()
+    except OSError as exc:
+        raise SystemExit(f"llmserve: error: cannot read {path}: {exc.strerror}") from None
 
 
 def _health(client: LLMServeClient, args: argparse.Namespace) -> int:

@@ -93,8 +93,9 @@ class LLMServeClient(_ClientBase):
         """Start generating for a text, token-id or chat prompt; iterate the result for text deltas.
 
         Options are the sampling fields (temperature, top_p, top_k, min_p, seed, max_tokens, min_tokens,
-        ignore_eos, num_logprobs, stop_token_ids), stop strings, skip_special_tokens, include_stop_str_in_output
-        and request_id; left out or None means the server's default. `timeout` bounds the whole stream.
+        ignore_eos, num_logprobs, stop_token_ids), at most one structured-output constraint (json_schema as JSON
+        text or a dict, regex, grammar in EBNF, json_object=True), stop strings, skip_special_tokens,
+        include_stop_str_in_output and request_id; left out or None means the server's default. `timeout` bounds the whole stream.
         """
         request = build_generate_request(prompt, messages, options)
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)

@@ -46,11 +46,14 @@ class EngineCore:
     ) -> None:
         """Admit a request to the waiting queue.
 
-        Raises InvalidRequestError when it can never run as given, DuplicateRequestError when
+        Raises InvalidRequestError when it can never run as given (a structured-output constraint that does not
+        compile included), DuplicateRequestError when
         `request_id` is still in use (until its final output is returned), QueueFullError when the
         waiting queue is at `max_waiting`.
         """
         self.validate_request(prompt_token_ids, sampling)
+        if sampling.constraint is not None:
+            self.runner.compile_grammar(sampling)  # an invalid grammar is rejected here, before it is queued
         if request_id in self._live or any(seq.request_id == request_id for seq in self._aborted):
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
         if 0 < self.config.max_waiting <= len(self.scheduler.waiting):

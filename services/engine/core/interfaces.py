@@ -6,6 +6,7 @@ Only ints, lists of ints and dataclasses cross here: no tensors.
 from dataclasses import dataclass
 from typing import Protocol
 
+from services.engine.core.sampling_params import SamplingParams
 from services.engine.core.sequence import FinishReason, Sequence
 
 
@@ -35,6 +36,13 @@ class ModelRunner(Protocol):
 
         The sample index of a sequence (for per-request seeds) is `seq.num_completion_tokens`.
         Sequences must not be mutated.
+        """
+        ...
+
+    def compile_grammar(self, sampling: SamplingParams) -> None:
+        """Compile (or find cached) the structured-output grammar of a request with `sampling.constraint` set,
+        before it is queued; raise InvalidRequestError naming the field ("sampling.regex") when it is invalid.
+        Called only for constrained requests, so a runner that never gets one need not implement it.
         """
         ...
 

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from services.common.validation import check_sampling
+from services.common.validation import check_constraint, check_sampling
 
 # Temperatures below this sample greedily (dividing the logits by them would overflow).
 MIN_TEMPERATURE = 1e-5
@@ -17,6 +17,10 @@ class SamplingParams:
     batch. The engine stops on EOS (unless `ignore_eos`) or any of `stop_token_ids`, but not before
     `min_tokens` completion tokens, and always at `max_tokens`.
     Invalid values raise InvalidRequestError with the contract's field name ("sampling.top_p").
+
+    Structured output: at most one of `json_schema` (JSON text), `regex`, `grammar` (EBNF) or `json_object`
+    constrains every token so the completion matches it (see common.proto); `constraint` is that choice as
+    (kind, text), or None, set at construction. Whether the text compiles is decided at admission.
     """
 
     temperature: float = 1.0
@@ -28,17 +32,31 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    json_schema: str | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    constraint: tuple[str, str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self.validate()
+        self._check_ranges()
+        self.constraint = self._check_constraint()
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first field out of range; changes nothing.
 
         Stop token ids are checked against the vocabulary by the engine, which knows its size.
         """
+        self._check_ranges()
+        self._check_constraint()
+
+    def _check_ranges(self) -> None:
         check_sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                        max_tokens=self.max_tokens, min_tokens=self.min_tokens, seed=self.seed)
+
+    def _check_constraint(self) -> tuple[str, str] | None:
+        return check_constraint(json_schema=self.json_schema, regex=self.regex, grammar=self.grammar,
+                                json_object=self.json_object, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens)
 
     @property
     def is_greedy(self) -> bool:

@@ -20,7 +20,7 @@ class FinishReason(IntEnum):
     ABORTED = 3   # cancelled by the client or rejected after admission
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, weakref_slot=True)
 class Sequence:
     """One request as the scheduler sees it.
 

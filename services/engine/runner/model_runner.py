@@ -15,12 +15,15 @@ import torch
 
 from services.engine.config import EngineArgs
 from services.engine.core.interfaces import SchedulerOutput
+from services.engine.core.sampling_params import SamplingParams
 from services.common.default_model import resolve_model_path
 from services.engine.distributed import parallel_state as tp
 from services.engine.distributed.sharding import check_tensor_parallel
 from services.engine.layers.attention_backends.select import get_backend, supports_cuda_graphs
 from services.engine.loader import load_model_config, load_weights
 from services.engine.models.registry import get_model_class
+from services.engine.runner.grammar import GrammarMasks
+from services.engine.runner.grammar_compiler import GrammarCompiler
 from services.engine.runner.cuda_graphs import DecodeGraphBuffers, DecodeGraphs, graph_batch_sizes
 from services.engine.runner.inputs import StepInputBuilder, StepInputs, cacheless_prefill, to_model_inputs
 from services.engine.runner.kv_cache import allocate_kv_cache, bind_kv_cache, size_kv_cache, unbound_kv_cache
@@ -177,6 +180,7 @@ class ModelRunner:
     def _set_up_cache(self, use_graphs: bool) -> None:
         """Size (every rank agreeing), allocate and bind the KV cache, then capture the decode graphs."""
         self.sampler = Sampler(self.args.seed, self.device)
+        self.grammar_masks = GrammarMasks(GrammarCompiler(None, self.vocab_size, []), self.device)
         self.inputs = StepInputBuilder(self.block_size, self.max_blocks_per_seq, self.args.max_num_seqs, self.device)
         self._sampled = SampledIds(self.args.max_num_seqs, self.device)
         self.graphs: DecodeGraphs | None = None
@@ -229,6 +233,14 @@ class ModelRunner:
                     time.perf_counter() - started)
         return graphs
 
+    def enable_structured_output(self, tokenizer, stop_token_ids: list[int]) -> None:
+        """Let requests constrain their output (JSON schema, regex, grammar), compiled against `tokenizer`."""
+        self.grammar_masks = GrammarMasks(GrammarCompiler(tokenizer, self.vocab_size, stop_token_ids), self.device)
+
+    def compile_grammar(self, sampling: SamplingParams) -> None:
+        """Compile (or find cached) a constrained request's grammar at admission (see core.interfaces)."""
+        self.grammar_masks.compiler.compile(sampling.constraint)
+
     def compute_logits(self, step: StepInputs) -> torch.Tensor | None:
         """Run the model on one step (graph replay for a decode batch that fits a captured size) and return
         the logits [S, V] of its sampled rows, or None when none is sampled. Every rank runs this."""
@@ -262,6 +274,7 @@ class ModelRunner:
             return None, sample_seq_indices
         sampled_seqs = [batch.seqs[i] for i in sample_seq_indices]
         suppress_stop_tokens_below_min(logits, sampled_seqs, self.eos_token_ids)
+        self.grammar_masks.apply(logits, sampled_seqs)
         return self.sampler.sample(logits, make_sampling_batch(sampled_seqs, self.vocab_size, self.device)), \
             sample_seq_indices
 

@@ -3,7 +3,7 @@
 from llmserve.common.v1 import common_pb2
 from llmserve.engine.v1 import engine_pb2
 
-from services.common.convert import RequestClock
+from services.common.convert import RequestClock, constraint_fields
 from services.common.validation import check_wire_sampling
 from services.engine.core.interfaces import EngineStats, RequestOutput
 from services.engine.core.sampling_params import SamplingParams
@@ -36,6 +36,7 @@ def sampling_from_proto(proto: common_pb2.SamplingParams, num_prompt_tokens: int
         min_tokens=proto.min_tokens if proto.HasField("min_tokens") else 0,
         ignore_eos=proto.ignore_eos,
         stop_token_ids=list(proto.stop_token_ids),
+        **constraint_fields(proto),
     )
 
 
