@@ -16,6 +16,10 @@ class InvalidRequestError(EngineError, ValueError):
         self.field = field
         self.description = message
 
+    def __reduce__(self):
+        # The engine core sends its refusals to the fronts pickled (serving/messages.AddRejected).
+        return type(self), (self.field, self.description)
+
 
 class QueueFullError(EngineError):
     """The waiting queue is at its limit; the client may retry later."""

@@ -53,3 +53,11 @@ def test_sampling_params_carry_the_checked_constraint():
     with pytest.raises(InvalidRequestError) as caught:
         SamplingParams(json_schema="{", max_tokens=8)
     assert caught.value.field == "sampling.json_schema"
+
+
+def test_a_refusal_survives_the_pickled_trip_from_the_engine_core_to_a_front():
+    """The core compiles grammars and sends an InvalidRequestError back pickled (serving/messages.AddRejected)."""
+    from services.engine.serving.messages import AddRejected, decode, encode
+
+    message = decode(encode(AddRejected(7, InvalidRequestError("sampling.regex", "does not compile: x"))))
+    assert (message.error.field, message.error.description) == ("sampling.regex", "does not compile: x")
