@@ -52,7 +52,8 @@ class GrammarMasks:
                 self._allow_only_stop_tokens(bitmask, row)
             else:
                 state.matcher.fill_next_token_bitmask(bitmask, row)
-        bitmask = bitmask.to(logits.device, non_blocking=True) if logits.device.type != "cpu" else bitmask
+        if logits.device.type != "cpu":
+            bitmask = bitmask[:len(seqs)].to(logits.device, non_blocking=True)
         xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.compiler.vocab_size, indices=rows)
 
     def _synced_matcher(self, seq: Sequence) -> _RowMatcher:
