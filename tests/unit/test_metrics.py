@@ -177,10 +177,16 @@ def test_tokenizer_metrics_count_tokens_the_replica_and_its_errors():
     gone = RequestRecord("r-3", Clock(100.0, None), code="CANCELLED", engine=ENGINE)
     metrics.start()
     metrics.finish(gone)
+    # the client's deadline, passed on to the engine call, ends it there first: not the engine's fault
+    late = RequestRecord("r-4", Clock(100.0, None), code="DEADLINE_EXCEEDED", engine=ENGINE,
+                         engine_code="DEADLINE_EXCEEDED")
+    metrics.start()
+    metrics.finish(late)
     assert value(registry, "llmserve_num_requests_in_flight") == 0
-    assert value(registry, "llmserve_engine_requests_total", engine=ENGINE) == 3
+    assert value(registry, "llmserve_engine_requests_total", engine=ENGINE) == 4
     assert value(registry, "llmserve_engine_errors_total", engine=ENGINE, code="UNAVAILABLE") == 1
     assert value(registry, "llmserve_engine_errors_total", engine=ENGINE, code="CANCELLED") == 0
+    assert value(registry, "llmserve_engine_errors_total", engine=ENGINE, code="DEADLINE_EXCEEDED") == 0
     assert (value(registry, "llmserve_prompt_tokens_total"), value(registry, "llmserve_generation_tokens_total"),
             value(registry, "llmserve_prefix_cache_hits_total")) == (7, 5, 4)
     assert value(registry, "llmserve_requests_total", code="UNAVAILABLE") == 1
@@ -203,6 +209,17 @@ def test_the_core_reports_queue_time_on_the_final_output_only():
     outputs = run_all(engine)["late"]
     assert [output.queue_time_s is None for output in outputs] == [True, True, False]
     assert outputs[-1].queue_time_s >= 5.0
+
+
+def test_queue_time_ends_at_the_first_chunk_of_a_chunked_prefill():
+    engine = make_engine(max_num_batched_tokens=8)
+    arrival = time.monotonic() - 5.0
+    engine.add_request("long", prompt(40), SamplingParams(max_tokens=1, ignore_eos=True), arrival_time=arrival)
+    before = time.monotonic()
+    assert engine.step() == []  # the first of five chunks
+    after = time.monotonic()
+    [output] = run_all(engine)["long"]
+    assert before - arrival <= output.queue_time_s <= after - arrival
 
 
 def test_a_request_aborted_before_it_ran_has_no_queue_time():
