@@ -154,6 +154,7 @@ class ServingState:
         self.service_name = service_name
         self.health = health.aio.HealthServicer()
         self.draining = False
+        self.drain_started = asyncio.Event()  # set with `draining`: for streams that never end alone
 
     async def set(self, name: str, status: int) -> None:
         await self.health.set(name, status)
@@ -168,6 +169,7 @@ class ServingState:
 
     async def mark_draining(self) -> None:
         self.draining = True
+        self.drain_started.set()
         await self.health.enter_graceful_shutdown()
 
 
