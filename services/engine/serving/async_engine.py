@@ -4,7 +4,8 @@ Commands go out through a writer thread (a send may block while the core is mid-
 never does). Outputs come in on the event loop itself (`add_reader` on the connection): each step's
 message is one wake-up that appends every token to its stream's pending list and wakes that stream's
 reader if it sleeps. A reader takes everything pending at once, so a client that reads slower than the
-engine steps gets several tokens per message instead of falling further behind. No torch or grpc here.
+engine steps gets several tokens per message instead of falling further behind. KV-cache event subscribers
+(`kv_events`) are fed the same way, by services.engine.serving.kv_subscribers. No torch or grpc here.
 """
 
 import asyncio

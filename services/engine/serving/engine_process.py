@@ -60,6 +60,9 @@ class CoreLoop:
 
     Runs in the engine-core process (`run_engine_core`), or on a thread in tests (with a fake runner).
     Ends when every front has hung up or asked nothing more for good (its connection closed).
+
+    KV-cache events: the core records them only while some front has a subscriber; a KvEventsSubscribe is
+    answered between steps with a snapshot, and each later step's changes ride on that front's StepOutputs.
     """
 
     def __init__(self, core: EngineCore, connections: list, description: EngineDescription):
@@ -163,7 +166,8 @@ class CoreLoop:
                                                 output.num_completion_tokens, output.num_cached_tokens,
                                                 output.matched_stop_token_id))
         stats = self.core.stats()
-        kv_events = self.core.take_kv_events() or None  # None unless a front subscribes and the cache changed
+        events = self.core.take_kv_events()  # None unless a front subscribes
+        kv_events = (events.block_hashes, events.cached) if events else None
         now = time.monotonic()
         idle = not self.core.has_unfinished_requests()
         for front in list(self._open):

@@ -18,6 +18,7 @@ from array import array
 from dataclasses import dataclass
 
 from services.common.errors import QueueFullError
+from services.engine.core.block_manager import KvCacheEvents
 from services.engine.serving.messages import KvEventsSnapshot, StepOutputs
 
 
@@ -43,7 +44,7 @@ class _Subscriber:
     def __init__(self):
         self.snapshot: array | None = None  # the core's snapshot, until the reader takes it
         self.synced = False  # the snapshot has arrived: later changes are this subscriber's
-        self.changes: dict[int, bool] = {}  # hash -> cached after its last change, not yet read
+        self.changes: dict[int, int] = {}  # hash -> 1 if cached after its last change, else 0; not yet read
         self.load_changed = False
         self.error: BaseException | None = None
         self.waiter: asyncio.Future | None = None
@@ -107,18 +108,17 @@ class KvSubscribers:
 
     def on_step(self, message: StepOutputs) -> None:
         """Merge a step's cache changes into every synced subscriber; a change of load alone is news too."""
-        events = message.kv_events
         load_key = (message.stats.num_running, message.stats.num_waiting)
         load_changed, self._load_key = load_key != self._load_key, load_key
-        if events is None and not load_changed:
+        if message.kv_events is None and not load_changed:
             return
+        events = KvCacheEvents(*message.kv_events).changes() if message.kv_events is not None else None
         for subscriber in self._subscribers.values():
             if not subscriber.synced or subscriber.error is not None:
                 continue
             if events is not None:
                 changes = subscriber.changes
-                changes.update(dict.fromkeys(events.removed_block_hashes, False))
-                changes.update(dict.fromkeys(events.stored_block_hashes, True))
+                changes.update(events)
                 if len(changes) > self.max_pending:
                     self._fail(subscriber, SubscriberLagError(
                         f"KV event subscriber fell {len(changes)} changes behind; subscribe again", retry_after_s=0.0))

@@ -24,7 +24,6 @@ import pickle
 from array import array
 from dataclasses import dataclass
 
-from services.engine.core.block_manager import KvCacheEvents
 from services.engine.core.interfaces import EngineStats
 from services.engine.core.sampling_params import SamplingParams
 
@@ -90,7 +89,9 @@ class StepOutputs:
     finished: list[FinishedRequest]
     stats: EngineStats
     num_finished_requests: int  # cumulative, over every front
-    kv_events: KvCacheEvents | None = None  # this step's prefix-cache changes, while the front has a subscriber
+    # This step's prefix-cache changes while the front has a subscriber: a KvCacheEvents's (block_hashes, cached),
+    # as a plain tuple (pickling a class costs more than its bytes).
+    kv_events: tuple[bytes, bytes] | None = None
 
 
 @dataclass(slots=True)
