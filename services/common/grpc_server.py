@@ -152,9 +152,9 @@ class ServingState:
 
     def __init__(self, service_name: str):
         self.service_name = service_name
+        self.drain_started = asyncio.Event()  # set with `draining`: for streams that never end alone
         self.health = health.aio.HealthServicer()
         self.draining = False
-        self.drain_started = asyncio.Event()  # set with `draining`: for streams that never end alone
 
     async def set(self, name: str, status: int) -> None:
         await self.health.set(name, status)

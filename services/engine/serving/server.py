@@ -23,13 +23,14 @@ SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     """Streams sampled token ids per engine step; cancellation aborts the sequence within one step."""
 
+    _drain_watch: asyncio.Task | None = None  # ends KV-event subscriptions when the drain starts
+
     def __init__(self, engine: AsyncEngine, info: engine_pb2.GetEngineInfoResponse, state: ServingState,
                  validator: RequestValidator):
         self.engine = engine
         self.info = info
         self.state = state
         self.validator = validator
-        self._drain_watch: asyncio.Task | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self, server)
