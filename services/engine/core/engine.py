@@ -9,8 +9,8 @@ import time
 from array import array
 from collections.abc import Collection
 
-from services.engine.core.block_manager import KvCacheEvents
 from services.engine.core.config import SchedulerConfig
+from services.engine.core.block_manager import KvCacheEvents
 from services.engine.core.errors import DuplicateRequestError, QueueFullError
 from services.engine.core.interfaces import EngineStats, ModelRunner, RequestOutput
 from services.engine.core.request_validator import RequestValidator
