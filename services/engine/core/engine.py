@@ -6,9 +6,11 @@ No threads here: the server (or the offline LLM) calls `step()` from one thread 
 
 import itertools
 import time
+from array import array
 from collections.abc import Collection
 
 from services.engine.core.config import SchedulerConfig
+from services.engine.core.block_manager import KvCacheEvents
 from services.engine.core.errors import DuplicateRequestError, QueueFullError
 from services.engine.core.interfaces import EngineStats, ModelRunner, RequestOutput
 from services.engine.core.request_validator import RequestValidator
@@ -95,6 +97,8 @@ class EngineCore:
         outputs = [_output_of(seq, []) for seq in self._aborted]
         self._aborted.clear()
         batch = self.scheduler.schedule()
+        if batch.is_prefill:
+            _mark_scheduled(batch.seqs)
         if batch.seqs:
             sampled_token_ids = self.runner.execute(batch)
             for seq in self.scheduler.postprocess(batch, sampled_token_ids):
@@ -102,6 +106,22 @@ class EngineCore:
                     del self._live[seq.request_id]
                 outputs.append(_output_of(seq, [seq.last_token_id]))
         return outputs
+
+    def record_kv_events(self, enabled: bool) -> None:
+        """Record the prefix cache's changes from now on (for take_kv_events), or stop; off by default (free)."""
+        self.scheduler.block_manager.record_events(enabled)
+
+    def take_kv_events(self) -> KvCacheEvents | None:
+        """The prefix cache's changes since the last call, None when not recording.
+
+        NOTE: only step() changes the cache (abort frees blocks but keeps their hashes), so taken after each
+        step, these are exactly that step's changes, and a snapshot taken between steps misses nothing.
+        """
+        return self.scheduler.block_manager.take_events()
+
+    def cached_block_hashes(self) -> array:
+        """Every block hash in the prefix cache now: uint64 [num cached]."""
+        return self.scheduler.block_manager.cached_block_hashes()
 
     def has_unfinished_requests(self) -> bool:
         """True while any request runs, waits, or still owes its final (aborted) output."""
@@ -135,4 +155,18 @@ def _output_of(seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
         num_completion_tokens=seq.num_completion_tokens,
         num_cached_tokens=seq.num_prefix_hit_tokens,
         matched_stop_token_id=seq.last_token_id if stopped else None,
+        queue_time_s=_queue_time(seq) if seq.finish_reason is not None else None,
     )
+
+
+def _mark_scheduled(seqs: list[Sequence]) -> None:
+    now = None
+    for seq in seqs:
+        if seq.first_scheduled_time is None:
+            now = now or time.monotonic()
+            seq.first_scheduled_time = now
+
+
+def _queue_time(seq: Sequence) -> float | None:
+    """Seconds from arrival to the first scheduling (vLLM's queue interval); None if it never ran."""
+    return None if seq.first_scheduled_time is None else max(seq.first_scheduled_time - seq.arrival_time, 0.0)

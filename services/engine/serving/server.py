@@ -1,5 +1,6 @@
 """grpc.aio adapter of the engine service: protobuf in, core calls, protobuf out. No model code here."""
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -8,10 +9,11 @@ import grpc
 from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc
 
 from services.common.errors import InvalidRequestError, UnavailableError
-from services.common.grpc_server import ServingState, request_id_var
+from services.common.grpc_server import ServingState, request_id_var, status_code_name
+from services.common.metrics import RequestObserver
 from services.engine.serving.async_engine import AsyncEngine
 from services.engine.serving.convert import (
-    RequestClock, load_report, response_from_output, sampling_from_proto)
+    RequestClock, kv_events_response, load_report, response_from_output, sampling_from_proto)
 from services.engine.core.request_validator import RequestValidator
 from services.engine.core.sampling_params import SamplingParams
 
@@ -22,12 +24,16 @@ SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     """Streams sampled token ids per engine step; cancellation aborts the sequence within one step."""
 
+    _drain_watch: asyncio.Task | None = None  # ends KV-event subscriptions when the drain starts
+
     def __init__(self, engine: AsyncEngine, info: engine_pb2.GetEngineInfoResponse, state: ServingState,
-                 validator: RequestValidator):
+                 validator: RequestValidator, metrics=None):
+        """metrics: this front's EngineMetrics (services.engine.serving.metrics), or None when they are off."""
         self.engine = engine
         self.info = info
         self.state = state
         self.validator = validator
+        self.requests = RequestObserver(logger, metrics)
 
     def register(self, server: grpc.aio.Server) -> None:
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self, server)
@@ -40,24 +46,28 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             pass
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        if self.state.draining:
-            raise UnavailableError("engine is draining")
-        if not request.request_id:
-            raise InvalidRequestError("request_id", "must not be empty")
-        request_id_var.set(request.request_id)
-        prompt = list(request.prompt_token_ids)
-        sampling = sampling_from_proto(request.sampling, len(prompt), self.info.max_model_len)
-        self.validator.validate(prompt, sampling)
         clock = RequestClock()
-        stream = self.engine.generate(request.request_id, prompt, sampling)
-        async with contextlib.aclosing(stream):
-            async for output in stream:
-                if output.new_token_ids:
-                    clock.mark_token()
-                if output.finished:
-                    logger.info("finished: %s, %d prompt + %d completion tokens", output.finish_reason.name,
-                                output.num_prompt_tokens, output.num_completion_tokens)
-                yield response_from_output(output, clock)
+        with self.requests.track(request.request_id, clock, lambda exc: status_code_name(exc, context)) as record:
+            if self.state.draining:
+                raise UnavailableError("engine is draining")
+            if not request.request_id:
+                raise InvalidRequestError("request_id", "must not be empty")
+            request_id_var.set(request.request_id)
+            prompt = list(request.prompt_token_ids)
+            sampling = sampling_from_proto(request.sampling, len(prompt), self.info.max_model_len)
+            self.validator.validate(prompt, sampling)
+            record.num_prompt_tokens, record.admitted = len(prompt), True
+            stream = self.engine.generate(request.request_id, prompt, sampling)
+            async with contextlib.aclosing(stream):
+                async for output in stream:
+                    if output.new_token_ids:
+                        clock.mark_token()
+                    record.num_completion_tokens = output.num_completion_tokens  # a cancelled call logs its count
+                    if output.finished:
+                        record.finish(output.finish_reason, output.num_prompt_tokens, output.num_completion_tokens,
+                                      output.num_cached_tokens)
+                        record.queue_time_s = output.queue_time_s
+                    yield response_from_output(output, clock)
 
     async def Abort(self, request: engine_pb2.AbortRequest, context) -> engine_pb2.AbortResponse:
         aborted = await self.engine.abort_any(list(request.request_ids))
@@ -68,6 +78,25 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     async def GetLoad(self, request, context) -> engine_pb2.LoadReport:
         return load_report(self.engine.stats(), self.engine.num_finished_requests, self.state.draining)
+
+    async def SubscribeKvEvents(self, request, context):
+        """A snapshot of this engine's prefix cache, then its changes, each message with the load; ends
+        UNAVAILABLE when the core dies or the service drains, RESOURCE_EXHAUSTED when the caller lags."""
+        if self.state.draining:
+            raise UnavailableError("engine is draining")
+        if self._drain_watch is None:
+            self._drain_watch = asyncio.ensure_future(self._end_kv_events_on_drain())
+        block_size = self.info.block_size
+        stream = self.engine.kv_events()
+        async with contextlib.aclosing(stream):
+            async for batch in stream:
+                load = load_report(self.engine.stats(), self.engine.num_finished_requests, self.state.draining)
+                yield kv_events_response(batch, block_size, load)
+
+    async def _end_kv_events_on_drain(self) -> None:
+        """Subscriptions never end alone: end them when the drain starts, so they do not hold up its grace."""
+        await self.state.drain_started.wait()
+        self.engine.end_kv_events(UnavailableError("engine is draining"))
 
 
 def engine_info(description) -> engine_pb2.GetEngineInfoResponse:
