@@ -1,0 +1,120 @@
+"""The overload probe of issue 8: a small engine flooded with long requests; what GetLoad shows, who is refused.
+
+    python bench/overload_probe.py MODEL_DIR [--requests 48] [--per-wave 4] [--interval 0.25] [--max-tokens 256]
+
+Starts `llmserve-engine --max-num-seqs 4 --max-waiting 4` on 127.0.0.1 (port 0) with MODEL_DIR (make one with
+bench/tiny_model.py), sends `--requests` greedy ignore_eos requests straight to the engine, `--per-wave` every
+`--interval` seconds, polls GetLoad meanwhile, and prints: the largest num_running and num_waiting seen, how
+many requests finished / were refused (RESOURCE_EXHAUSTED, with the RetryInfo delays) / failed otherwise, and
+the most streams seen at once holding exactly one token while others decoded (the starvation symptom).
+"""
+
+import argparse
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "clients" / "python")]
+
+import grpc  # noqa: E402
+from google.rpc import error_details_pb2  # noqa: E402
+from grpc_status import rpc_status  # noqa: E402
+from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
+
+LISTENING = re.compile(r"listening on [\d.]+:(\d+)")
+
+
+def start_engine(model: str, extra: list[str]) -> tuple[subprocess.Popen, int]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO_ROOT}:{REPO_ROOT / 'clients' / 'python'}",
+               HF_HUB_OFFLINE="1")
+    argv = [sys.executable, "-m", "services.engine", "--host", "127.0.0.1", "--port", "0", "--model", model,
+            "--api-workers", "1", "--max-num-seqs", "4", "--max-waiting", "4", "--max-model-len", "1024",
+            "--num-kvcache-blocks", "512", "--grace-period", "1", *extra]
+    proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        match = LISTENING.search(line)
+        if match:
+            # keep reading, or the engine blocks on a full pipe once its log fills it
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+            return proc, int(match[1])
+    raise RuntimeError(f"engine exited with {proc.wait()}")
+
+
+async def one_request(stub, index: int, max_tokens: int, counts: list[int], outcomes: Counter, delays: list) -> None:
+    request = engine_pb2.GenerateRequest(request_id=f"probe-{index}", prompt_token_ids=[100 + index, 7, 8, 9])
+    request.sampling.temperature = 0.0
+    request.sampling.ignore_eos = True
+    request.sampling.max_tokens = max_tokens
+    try:
+        async for response in stub.Generate(request, timeout=600):
+            counts[index] += len(response.token_ids)
+        outcomes["finished"] += 1
+    except grpc.aio.AioRpcError as exc:
+        outcomes[exc.code().name] += 1
+        status = rpc_status.from_call(exc)
+        for detail in status.details if status else ():
+            info = error_details_pb2.RetryInfo()
+            if detail.Unpack(info):
+                delays.append(info.retry_delay.ToTimedelta().total_seconds())
+    finally:
+        counts[index] = -1  # done
+
+
+async def probe(port: int, args: argparse.Namespace) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        counts = [0] * args.requests
+        outcomes: Counter = Counter()
+        delays: list[float] = []
+        peaks = Counter()
+        tasks = []
+
+        async def watch() -> None:
+            while True:
+                load = await stub.GetLoad(engine_pb2.GetLoadRequest())
+                peaks["running"] = max(peaks["running"], load.num_running)
+                peaks["waiting"] = max(peaks["waiting"], load.num_waiting)
+                decoding = sum(1 for c in counts if c > 1)
+                stuck = sum(1 for c in counts if c == 1)
+                if decoding:
+                    peaks["stuck_at_one_token"] = max(peaks["stuck_at_one_token"], stuck)
+                await asyncio.sleep(0.05)
+
+        watcher = asyncio.create_task(watch())
+        for start in range(0, args.requests, args.per_wave):
+            for index in range(start, min(start + args.per_wave, args.requests)):
+                tasks.append(asyncio.create_task(one_request(stub, index, args.max_tokens, counts, outcomes, delays)))
+            await asyncio.sleep(args.interval)
+        await asyncio.gather(*tasks)
+        watcher.cancel()
+        print(f"GetLoad peaks: num_running {peaks['running']}, num_waiting {peaks['waiting']}; "
+              f"most streams at exactly one token while others decoded: {peaks['stuck_at_one_token']}")
+        print(f"outcomes of {args.requests}: {dict(outcomes)}")
+        if delays:
+            print(f"RetryInfo delays: min {min(delays):.2f}s, max {max(delays):.2f}s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model")
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--per-wave", type=int, default=4)
+    parser.add_argument("--interval", type=float, default=0.25)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    args, extra = parser.parse_known_args()
+    proc, port = start_engine(args.model, extra)
+    try:
+        asyncio.run(probe(port, args))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+if __name__ == "__main__":
+    main()
