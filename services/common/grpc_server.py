@@ -68,7 +68,9 @@ def status_for(exc: BaseException) -> status_pb2.Status:
         violation = error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=exc.description)
         return _status(code_pb2.INVALID_ARGUMENT, str(exc), error_details_pb2.BadRequest(field_violations=[violation]))
     if isinstance(exc, QueueFullError):
-        retry = error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(nanos=int(exc.retry_after_s * 1e9)))
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(int(exc.retry_after_s * 1e9))  # NOTE: Duration(nanos=...) must stay below 1 s
+        retry = error_details_pb2.RetryInfo(retry_delay=delay)
         return _status(code_pb2.RESOURCE_EXHAUSTED, str(exc), retry)
     if isinstance(exc, UnavailableError):
         return _status(code_pb2.UNAVAILABLE, str(exc))
