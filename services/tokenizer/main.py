@@ -8,9 +8,9 @@ import argparse
 import asyncio
 import logging
 import os
-import sys
 
-from services.common.grpc_server import ServingState, build_server, configure_logging, run_until_signalled
+from services.common.grpc_server import (
+    ServingState, build_server, configure_logging, exit_after_drain, run_until_signalled)
 from services.common.reuseport import WorkerGroup, reserve_port
 
 logger = logging.getLogger("llmserve.tokenizer")
@@ -79,6 +79,7 @@ def serve_worker(args: argparse.Namespace, port: int) -> None:
     """Entry of the extra worker processes (spawned: a fresh interpreter each)."""
     configure_logging(args.log_level)
     asyncio.run(serve(args, port))
+    exit_after_drain(0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -91,8 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         with reserve_port(args.host, args.port) as port, \
                 WorkerGroup(serve_worker, args, port, args.workers - 1, "tokenizer-worker") as workers:
             asyncio.run(serve(args, port, workers))
-    if workers.exit_code:
-        sys.exit(workers.exit_code)
+    exit_after_drain(workers.exit_code)
 
 
 if __name__ == "__main__":

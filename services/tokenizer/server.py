@@ -11,6 +11,7 @@ from llmserve.textgen.v1 import textgen_pb2, textgen_pb2_grpc
 from services.common.convert import RequestClock
 from services.common.errors import UnavailableError
 from services.common.grpc_server import ServingState, request_id_var
+from services.common.validation import check_request_id
 from services.tokenizer.convert import ResolvedRequest, check_ids, prompt_ids, resolve_generate
 from services.tokenizer.engine_client import EngineClient, EngineStream, upstream_error, watch_engine
 from services.tokenizer.limits import INLINE_MAX_CHARS, InputLimits
@@ -37,6 +38,8 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
 
     async def Generate(self, request: textgen_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         clock = RequestClock()
+        if request.request_id:
+            check_request_id(request.request_id)
         request_id = request.request_id or uuid.uuid4().hex
         request_id_var.set(request_id)
         if self.state.draining:

@@ -11,9 +11,9 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 
-from services.common.grpc_server import ServingState, build_server, configure_logging, run_until_signalled
+from services.common.grpc_server import (
+    ServingState, build_server, configure_logging, exit_after_drain, run_until_signalled)
 from services.common.reuseport import WorkerGroup, reserve_port
 from services.engine.serving.cli_args import add_engine_args, engine_args_from
 
@@ -101,7 +101,7 @@ def run_api_worker(args: argparse.Namespace, port: int, connection) -> None:
     configure_logging(args.log_level)
     front = Front(args, connection)
     asyncio.run(front.serve(port))
-    sys.exit(front.exit_code)
+    exit_after_drain(front.exit_code)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging(args.log_level)
-    sys.exit(run(args))
+    exit_after_drain(run(args))
 
 
 if __name__ == "__main__":

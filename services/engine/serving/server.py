@@ -9,6 +9,7 @@ from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc
 
 from services.common.errors import InvalidRequestError, UnavailableError
 from services.common.grpc_server import ServingState, request_id_var
+from services.common.validation import check_request_id
 from services.engine.serving.async_engine import AsyncEngine
 from services.engine.serving.convert import (
     RequestClock, load_report, response_from_output, sampling_from_proto)
@@ -44,6 +45,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             raise UnavailableError("engine is draining")
         if not request.request_id:
             raise InvalidRequestError("request_id", "must not be empty")
+        check_request_id(request.request_id)
         request_id_var.set(request.request_id)
         prompt = list(request.prompt_token_ids)
         sampling = sampling_from_proto(request.sampling, len(prompt), self.info.max_model_len)
