@@ -1,6 +1,7 @@
 """The overload probe of issue 8: a small engine flooded with long requests; what GetLoad shows, who is refused.
 
     python bench/overload_probe.py MODEL_DIR [--requests 48] [--per-wave 4] [--interval 0.25] [--max-tokens 256]
+                                             [--channels 1] [engine flags, e.g. --api-workers 2]
 
 Starts `llmserve-engine --max-num-seqs 4 --max-waiting 4` on 127.0.0.1 (port 0) with MODEL_DIR (make one with
 bench/tiny_model.py), sends `--requests` greedy ignore_eos requests straight to the engine, `--per-wave` every
@@ -67,37 +68,49 @@ async def one_request(stub, index: int, max_tokens: int, counts: list[int], outc
 
 
 async def probe(port: int, args: argparse.Namespace) -> None:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = engine_pb2_grpc.EngineServiceStub(channel)
-        counts = [0] * args.requests
-        outcomes: Counter = Counter()
-        delays: list[float] = []
-        peaks = Counter()
-        tasks = []
+    # NOTE: one connection per channel, so with --api-workers N the kernel spreads them over the fronts.
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(args.channels)]
+    try:
+        await _probe(channels, args)
+    finally:
+        for channel in channels:
+            await channel.close()
 
-        async def watch() -> None:
-            while True:
-                load = await stub.GetLoad(engine_pb2.GetLoadRequest())
-                peaks["running"] = max(peaks["running"], load.num_running)
-                peaks["waiting"] = max(peaks["waiting"], load.num_waiting)
-                decoding = sum(1 for c in counts if c > 1)
-                stuck = sum(1 for c in counts if c == 1)
-                if decoding:
-                    peaks["stuck_at_one_token"] = max(peaks["stuck_at_one_token"], stuck)
-                await asyncio.sleep(0.05)
 
-        watcher = asyncio.create_task(watch())
-        for start in range(0, args.requests, args.per_wave):
-            for index in range(start, min(start + args.per_wave, args.requests)):
-                tasks.append(asyncio.create_task(one_request(stub, index, args.max_tokens, counts, outcomes, delays)))
-            await asyncio.sleep(args.interval)
-        await asyncio.gather(*tasks)
-        watcher.cancel()
-        print(f"GetLoad peaks: num_running {peaks['running']}, num_waiting {peaks['waiting']}; "
-              f"most streams at exactly one token while others decoded: {peaks['stuck_at_one_token']}")
-        print(f"outcomes of {args.requests}: {dict(outcomes)}")
-        if delays:
-            print(f"RetryInfo delays: min {min(delays):.2f}s, max {max(delays):.2f}s")
+async def _probe(channels: list, args: argparse.Namespace) -> None:
+    stubs = [engine_pb2_grpc.EngineServiceStub(channel) for channel in channels]
+    stub = stubs[0]
+    counts = [0] * args.requests
+    outcomes: Counter = Counter()
+    delays: list[float] = []
+    peaks = Counter()
+    tasks = []
+
+    async def watch() -> None:
+        while True:
+            load = await stub.GetLoad(engine_pb2.GetLoadRequest())
+            peaks["running"] = max(peaks["running"], load.num_running)
+            peaks["waiting"] = max(peaks["waiting"], load.num_waiting)
+            decoding = sum(1 for c in counts if c > 1)
+            stuck = sum(1 for c in counts if c == 1)
+            if decoding:
+                peaks["stuck_at_one_token"] = max(peaks["stuck_at_one_token"], stuck)
+            await asyncio.sleep(0.05)
+
+    watcher = asyncio.create_task(watch())
+    for start in range(0, args.requests, args.per_wave):
+        for index in range(start, min(start + args.per_wave, args.requests)):
+            tasks.append(asyncio.create_task(one_request(stubs[index % len(stubs)], index, args.max_tokens, counts,
+                                                         outcomes, delays)))
+        await asyncio.sleep(args.interval)
+    await asyncio.gather(*tasks)
+    watcher.cancel()
+    print(f"GetLoad peaks: num_running {peaks['running']}, num_waiting {peaks['waiting']}; "
+          f"most streams at exactly one token while others decoded: {peaks['stuck_at_one_token']}")
+    print(f"outcomes of {args.requests}: {dict(outcomes)}")
+    if delays:
+        print(f"RetryInfo delays: min {min(delays):.2f}s, max {max(delays):.2f}s")
 
 
 def main() -> None:
@@ -107,6 +120,7 @@ def main() -> None:
     parser.add_argument("--per-wave", type=int, default=4)
     parser.add_argument("--interval", type=float, default=0.25)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--channels", type=int, default=1, help="client connections (spread over --api-workers)")
     args, extra = parser.parse_known_args()
     proc, port = start_engine(args.model, extra)
     try:
