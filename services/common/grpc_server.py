@@ -220,6 +220,7 @@ class ServingState:
 
     def __init__(self, service_name: str):
         self.service_name = service_name
+        self.drain_started = asyncio.Event()  # set with `draining`: for streams that never end alone
         self.health = health.aio.HealthServicer()
         self.draining = False
         self.num_in_flight = 0  # calls other than health checks, counted by ErrorMappingInterceptor
@@ -250,6 +251,7 @@ class ServingState:
 
     async def mark_draining(self) -> None:
         self.draining = True
+        self.drain_started.set()
         await self.health.enter_graceful_shutdown()
 
 
