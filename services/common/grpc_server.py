@@ -5,9 +5,7 @@ import contextlib
 import contextvars
 import inspect
 import logging
-import os
 import signal
-import sys
 from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
@@ -313,15 +311,3 @@ async def run_until_signalled(server: grpc.aio.Server, state: ServingState, grac
     if workers is not None:
         await asyncio.to_thread(workers.join, grace_s + WORKER_EXIT_MARGIN_S)
 
-
-def exit_after_drain(code: int):
-    """End a service process whose drain is over: flush logs and output, then exit without the interpreter's teardown.
-
-    NOTE: that teardown runs native destructors (gRPC, tokenizers, torch) with no Python frame for seconds
-    (measured: 0.4 s for an engine front, 6-8 s for a tokenizer relay on the shared CPU machine), so a
-    supervisor would see the exit that long after the last stream ended. Nothing is left to clean by then.
-    """
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

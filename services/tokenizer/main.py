@@ -9,9 +9,8 @@ import asyncio
 import logging
 import os
 
-from services.common.grpc_server import (
-    ServingState, build_server, configure_logging, exit_after_drain, run_until_signalled)
-from services.common.reuseport import WorkerGroup, reserve_port
+from services.common.grpc_server import ServingState, build_server, configure_logging, run_until_signalled
+from services.common.reuseport import WorkerGroup, exit_after_drain, reserve_port
 
 logger = logging.getLogger("llmserve.tokenizer")
 MAX_DEFAULT_WORKERS = 4

@@ -12,9 +12,8 @@ import logging
 import os
 import signal
 
-from services.common.grpc_server import (
-    ServingState, build_server, configure_logging, exit_after_drain, run_until_signalled)
-from services.common.reuseport import WorkerGroup, reserve_port
+from services.common.grpc_server import ServingState, build_server, configure_logging, run_until_signalled
+from services.common.reuseport import WorkerGroup, exit_after_drain, reserve_port
 from services.engine.serving.cli_args import add_engine_args, engine_args_from
 
 logger = logging.getLogger("llmserve.engine")
