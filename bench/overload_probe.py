@@ -8,6 +8,8 @@ bench/tiny_model.py), sends `--requests` greedy ignore_eos requests straight to 
 `--interval` seconds, polls GetLoad meanwhile, and prints: the largest num_running and num_waiting seen, how
 many requests finished / were refused (RESOURCE_EXHAUSTED, with the RetryInfo delays) / failed otherwise, and
 the most streams seen at once holding exactly one token while others decoded (the starvation symptom).
+With `--client-retries N` the same load goes through a tokenizer service instead, sent by the Python client
+with retry=RetryPolicy(max_retries=N): it prints how many requests finished and how many retries it took.
 """
 
 import argparse
@@ -31,20 +33,58 @@ from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 LISTENING = re.compile(r"listening on [\d.]+:(\d+)")
 
 
-def start_engine(model: str, extra: list[str]) -> tuple[subprocess.Popen, int]:
+def start_service(argv: list[str]) -> tuple[subprocess.Popen, int]:
+    """`python -m services.<...>` on 127.0.0.1, port 0; returns it and its port."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO_ROOT}:{REPO_ROOT / 'clients' / 'python'}",
                HF_HUB_OFFLINE="1")
-    argv = [sys.executable, "-m", "services.engine", "--host", "127.0.0.1", "--port", "0", "--model", model,
-            "--api-workers", "1", "--max-num-seqs", "4", "--max-waiting", "4", "--max-model-len", "1024",
-            "--num-kvcache-blocks", "512", "--grace-period", "1", *extra]
+    argv = [sys.executable, "-m", *argv[:1], "--host", "127.0.0.1", "--port", "0", *argv[1:]]
     proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:
         match = LISTENING.search(line)
         if match:
-            # keep reading, or the engine blocks on a full pipe once its log fills it
+            # keep reading, or the service blocks on a full pipe once its log fills it
             threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
             return proc, int(match[1])
-    raise RuntimeError(f"engine exited with {proc.wait()}")
+    raise RuntimeError(f"{argv[2]} exited with {proc.wait()}")
+
+
+def start_engine(model: str, extra: list[str]) -> tuple[subprocess.Popen, int]:
+    return start_service(["services.engine", "--model", model, "--api-workers", "1", "--max-num-seqs", "4",
+                          "--max-waiting", "4", "--max-model-len", "1024", "--num-kvcache-blocks", "512",
+                          "--grace-period", "1", *extra])
+
+
+async def through_client(target: str, engine_port: int, args: argparse.Namespace) -> None:
+    """The same load through the tokenizer service with the Python client retrying refusals (--client-retries)."""
+    from llmserve import AsyncLLMServeClient, LLMServeError, RetryPolicy
+    from llmserve import retry as retry_module
+
+    waits: list[float] = []
+    real_sleep = retry_module.async_sleep
+
+    async def counted_sleep(seconds: float) -> None:
+        waits.append(seconds)
+        await real_sleep(seconds)
+
+    retry_module.async_sleep = counted_sleep
+    outcomes: Counter = Counter()
+    policy = RetryPolicy(max_retries=args.client_retries, max_backoff_s=5.0)
+    async with AsyncLLMServeClient(target, retry=policy) as client:
+        async def one(index: int) -> None:
+            try:
+                result = await client.complete([100 + index, 7, 8, 9], max_tokens=args.max_tokens, temperature=0,
+                                               ignore_eos=True, timeout=600)
+                outcomes["finished" if len(result.token_ids) == args.max_tokens else "short"] += 1
+            except LLMServeError as err:
+                outcomes[err.code_name] += 1
+
+        tasks = []
+        for start in range(0, args.requests, args.per_wave):
+            tasks += [asyncio.create_task(one(i)) for i in range(start, min(start + args.per_wave, args.requests))]
+            await asyncio.sleep(args.interval)
+        await asyncio.gather(*tasks)
+    print(f"through the tokenizer service, client retry={args.client_retries}: outcomes of {args.requests}: "
+          f"{dict(outcomes)}; {len(waits)} retries, waits {min(waits, default=0):.2f}-{max(waits, default=0):.2f}s")
 
 
 async def one_request(stub, index: int, max_tokens: int, counts: list[int], outcomes: Counter, delays: list) -> None:
@@ -121,13 +161,21 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=0.25)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--channels", type=int, default=1, help="client connections (spread over --api-workers)")
+    parser.add_argument("--client-retries", type=int, default=0,
+                        help="instead: send the load through a tokenizer service with the Python client retrying")
     args, extra = parser.parse_known_args()
-    proc, port = start_engine(args.model, extra)
+    procs = [start_engine(args.model, extra)]
     try:
-        asyncio.run(probe(port, args))
+        if args.client_retries:
+            procs.append(start_service(["services.tokenizer", "--model", args.model, "--workers", "1",
+                                        "--engine", f"127.0.0.1:{procs[0][1]}", "--grace-period", "1"]))
+            asyncio.run(through_client(f"127.0.0.1:{procs[1][1]}", procs[0][1], args))
+        else:
+            asyncio.run(probe(procs[0][1], args))
     finally:
-        proc.terminate()
-        proc.wait(30)
+        for proc, _ in reversed(procs):
+            proc.terminate()
+            proc.wait(30)
 
 
 if __name__ == "__main__":
