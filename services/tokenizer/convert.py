@@ -9,9 +9,13 @@ from llmserve.textgen.v1 import textgen_pb2
 
 from services.common.errors import InvalidRequestError
 from services.common.validation import (
-    STOP_TOKEN_IDS, check_fits, check_prompt, check_sampling, check_token_ids, check_wire_sampling)
+    MAX_REQUEST_ID_LEN, STOP_TOKEN_IDS, check_fits, check_prompt, check_room_for_completion, check_sampling,
+    check_token_ids, check_wire_sampling)
 from services.tokenizer.stop import validate_stop_strings
 from services.tokenizer.tokenizer import TextTokenizer
+
+
+ENGINE_ID_SUFFIX_LEN = 13  # "-" and 12 hex digits
 
 
 @dataclass(slots=True)
@@ -28,8 +32,10 @@ class ResolvedRequest:
 
     def engine_request(self) -> engine_pb2.GenerateRequest:
         """The engine call. Its id is the caller's plus a fresh suffix: callers' ids need not be unique, and an
-        engine id must be (a retry right after a cancel would otherwise collide with the aborted request)."""
-        return engine_pb2.GenerateRequest(request_id=f"{self.request_id}-{uuid.uuid4().hex[:12]}",
+        engine id must be (a retry right after a cancel would otherwise collide with the aborted request). The
+        caller's part is cut so that the whole id stays within the one request-id rule (check_request_id)."""
+        prefix = self.request_id[:MAX_REQUEST_ID_LEN - ENGINE_ID_SUFFIX_LEN]
+        return engine_pb2.GenerateRequest(request_id=f"{prefix}-{uuid.uuid4().hex[:ENGINE_ID_SUFFIX_LEN - 1]}",
                                           prompt_token_ids=self.prompt_ids, sampling=self.sampling)
 
 
@@ -82,6 +88,8 @@ def resolve_generate(request: textgen_pb2.GenerateRequest, request_id: str, toke
                      max_model_len: int, default_max_tokens: int) -> ResolvedRequest:
     field, ids = prompt_ids(request, tokenizer)
     check_prompt(field, ids, tokenizer.vocab_size, max_model_len)
+    if not request.sampling.HasField("max_tokens"):
+        check_room_for_completion(field, len(ids), max_model_len)
     sampling = resolve_sampling(request.sampling, tokenizer.generation_defaults(), len(ids), max_model_len,
                                 default_max_tokens, tokenizer.vocab_size)
     return ResolvedRequest(

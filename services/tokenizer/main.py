@@ -8,11 +8,10 @@ import argparse
 import asyncio
 import logging
 import os
-import sys
 
 from services.common.grpc_server import ServingState, build_server, configure_logging, run_until_signalled
 from services.common.metrics import MetricsEndpoint, add_observability_args, check_observability_args
-from services.common.reuseport import WorkerGroup, reserve_port
+from services.common.reuseport import WorkerGroup, exit_after_drain, reserve_port
 
 logger = logging.getLogger("llmserve.tokenizer")
 MAX_DEFAULT_WORKERS = 4
@@ -100,6 +99,7 @@ def serve_worker(args: argparse.Namespace, port: int) -> None:
     finally:
         if args.metrics_port:  # its in-flight gauge leaves the sum; its counts stay
             MetricsEndpoint.mark_dead([os.getpid()])
+    exit_after_drain(0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -118,8 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if endpoint is not None:
             endpoint.close()
-    if workers.exit_code:
-        sys.exit(workers.exit_code)
+    exit_after_drain(workers.exit_code)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from services.common.convert import RequestClock
 from services.common.errors import UnavailableError
 from services.common.grpc_server import ServingState, request_id_var, status_code_name
 from services.common.metrics import RequestObserver, RequestRecord
+from services.common.validation import check_request_id, loggable_request_id
 from services.tokenizer.convert import ResolvedRequest, check_ids, prompt_ids, resolve_generate
 from services.tokenizer.engine_client import EngineClient, EngineStream, upstream_error, watch_engine
 from services.tokenizer.limits import INLINE_MAX_CHARS, InputLimits
@@ -41,8 +42,10 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
     async def Generate(self, request: textgen_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         clock = RequestClock()
         request_id = request.request_id or uuid.uuid4().hex
-        request_id_var.set(request_id)
-        with self.requests.track(request_id, clock, lambda exc: status_code_name(exc, context)) as record:
+        with self.requests.track(loggable_request_id(request_id), clock, lambda exc: status_code_name(exc, context)) as record:
+            if request.request_id:
+                check_request_id(request.request_id)
+            request_id_var.set(request_id)
             await self._generate(request, request_id, clock, context, record)
 
     async def _generate(self, request: textgen_pb2.GenerateRequest, request_id: str, clock: RequestClock,

@@ -104,3 +104,13 @@ def test_sampling_params_validate_with_the_same_checks_and_change_nothing():
         with pytest.raises(InvalidRequestError) as caught:
             SamplingParams(**changes)
         assert caught.value.field == field
+
+
+def test_a_refused_huge_request_id_is_logged_short():
+    from services.common.validation import MAX_REQUEST_ID_LEN, loggable_request_id
+
+    exact = "a" * MAX_REQUEST_ID_LEN
+    assert loggable_request_id(exact) == exact
+    huge = loggable_request_id("b" * 8_000_000)
+    assert huge.startswith("b" * MAX_REQUEST_ID_LEN + "...") and huge.endswith("(8000000 characters)")
+    assert len(huge) < MAX_REQUEST_ID_LEN + 40

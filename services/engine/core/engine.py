@@ -9,6 +9,7 @@ import time
 from array import array
 from collections.abc import Collection
 
+from services.engine.core.admission import AdmissionRate
 from services.engine.core.config import SchedulerConfig
 from services.engine.core.block_manager import KvCacheEvents
 from services.engine.core.errors import DuplicateRequestError, QueueFullError
@@ -38,6 +39,7 @@ class EngineCore:
         self._live: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self._seq_ids = itertools.count()
+        self._admission_rate = AdmissionRate()
 
     def add_request(
         self,
@@ -49,14 +51,17 @@ class EngineCore:
         """Admit a request to the waiting queue.
 
         Raises InvalidRequestError when it can never run as given, DuplicateRequestError when
-        `request_id` is still in use (until its final output is returned), QueueFullError when the
-        waiting queue is at `max_waiting`.
+        `request_id` is still in use (until its final output is returned), QueueFullError when
+        `max_waiting` requests already wait to be admitted (preempted ones do not count: they were admitted).
         """
         self.validate_request(prompt_token_ids, sampling)
         if request_id in self._live or any(seq.request_id == request_id for seq in self._aborted):
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
-        if 0 < self.config.max_waiting <= len(self.scheduler.waiting):
-            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
+        if self.config.max_waiting > 0:
+            num_queued = self.scheduler.num_queued
+            if num_queued >= self.config.max_waiting:
+                delay_s = self._admission_rate.retry_delay_s(num_queued, time.monotonic())
+                raise QueueFullError(f"waiting queue is full ({num_queued} requests)", retry_after_s=delay_s)
         seq = Sequence(
             seq_id=next(self._seq_ids),
             request_id=request_id,
@@ -93,9 +98,12 @@ class EngineCore:
         """
         outputs = [_output_of(seq, []) for seq in self._aborted]
         self._aborted.clear()
+        num_admitted = self.scheduler.num_admitted
         batch = self.scheduler.schedule()
         if batch.is_prefill:
             _mark_scheduled(batch.seqs)
+        if self.scheduler.num_admitted != num_admitted:
+            self._admission_rate.record(self.scheduler.num_admitted - num_admitted, time.monotonic())
         if batch.seqs:
             sampled_token_ids = self.runner.execute(batch)
             for seq in self.scheduler.postprocess(batch, sampled_token_ids):

@@ -4,7 +4,7 @@ from llmserve.common.v1 import common_pb2
 from llmserve.engine.v1 import engine_pb2
 
 from services.common.convert import RequestClock
-from services.common.validation import check_wire_sampling
+from services.common.validation import PROMPT_TOKEN_IDS, check_room_for_completion, check_wire_sampling
 from services.engine.core.interfaces import EngineStats, RequestOutput
 from services.engine.core.sampling_params import SamplingParams
 from services.engine.core.sequence import FinishReason
@@ -26,7 +26,11 @@ def sampling_from_proto(proto: common_pb2.SamplingParams, num_prompt_tokens: int
     """
     check_wire_sampling(top_k=proto.top_k if proto.HasField("top_k") else None,
                         num_logprobs=proto.num_logprobs if proto.HasField("num_logprobs") else None)
-    max_tokens = proto.max_tokens if proto.HasField("max_tokens") else max(max_model_len - num_prompt_tokens, 1)
+    if proto.HasField("max_tokens"):
+        max_tokens = proto.max_tokens
+    else:
+        check_room_for_completion(PROMPT_TOKEN_IDS, num_prompt_tokens, max_model_len)
+        max_tokens = max_model_len - num_prompt_tokens
     return SamplingParams(
         temperature=proto.temperature if proto.HasField("temperature") else 1.0,
         top_k=proto.top_k if proto.HasField("top_k") else 0,
