@@ -72,10 +72,13 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
                 raise UnavailableError("the engine stream ended without a finish reason")
             if ids:
                 clock.mark_token()
+            logprobs = stream.take_logprobs()
             ids, delta, matched = _push(text_stream, ids, bool(resolved.stops))
             num_ids += len(ids)
             response = textgen_pb2.GenerateResponse(request_id=resolved.request_id, text=delta, token_ids=ids,
                                                     usage=engine_response.usage)
+            if logprobs:
+                response.logprobs.extend(_with_text(self.tokenizer, logprobs[:len(ids)]))
             if matched is not None:
                 response.usage.completion_tokens = num_ids  # the ids past the match are not the client's
                 response.finish_reason = common_pb2.FINISH_REASON_STOP
@@ -151,3 +154,12 @@ def _push(text_stream: TextStream, ids: list[int], has_stops: bool) -> tuple[lis
         if matched is not None:
             return ids[:count], "".join(deltas), matched
     return ids, "".join(deltas), None
+
+
+def _with_text(tokenizer: TextTokenizer, logprobs: list) -> list:
+    """The engine's PositionLogprobs with each token's text filled in (one batched decode)."""
+    positions = [common_pb2.PositionLogprobs(sampled=p.sampled, top=p.top) for p in logprobs]
+    entries = [entry for p in positions for entry in (p.sampled, *p.top)]
+    for entry, text in zip(entries, tokenizer.token_texts([entry.token_id for entry in entries])):
+        entry.text = text
+    return positions
