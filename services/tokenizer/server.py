@@ -122,6 +122,8 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
                                              min_p=defaults["min_p"], max_tokens=self.default_max_tokens)
         if defaults["top_k"]:
             sampling.top_k = int(defaults["top_k"])
+        if defaults["repetition_penalty"] != 1.0:
+            sampling.repetition_penalty = defaults["repetition_penalty"]
         response = textgen_pb2.GetModelInfoResponse(
             model_name=info.model_name or self.tokenizer.name, vocab_size=self.tokenizer.vocab_size,
             max_model_len=info.max_model_len, eos_token_ids=self.tokenizer.eos_token_ids,
