@@ -38,3 +38,10 @@ class StepSampler:
         if logprobs_batch is None:
             return token_ids, None
         return token_ids, gather_logprobs(logprobs, token_ids, logprobs_batch)
+
+
+def worst_case_feature_memory(num_rows: int, vocab_size: int, device: torch.device) -> list[torch.Tensor]:
+    """Tensors as large as what logprobs ([B, V] fp32 while sampling) and the penalty state ([slots, V] int32 +
+    bool, kept) take with every row asking: held during memory profiling so the KV cache leaves room for them."""
+    return [torch.empty(num_rows, vocab_size, dtype=dtype, device=device)
+            for dtype in (torch.float32, torch.int32, torch.bool)]
