@@ -57,7 +57,8 @@ def check_extras(*, num_logprobs: int | None, repetition_penalty: float, presenc
     if num_logprobs is not None and not 0 <= num_logprobs <= MAX_LOGPROBS:
         raise InvalidRequestError("sampling.num_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {num_logprobs}")
     if not (math.isfinite(repetition_penalty) and repetition_penalty > 0.0):
-        raise InvalidRequestError("sampling.repetition_penalty", f"must be a finite number > 0, got {repetition_penalty}")
+        raise InvalidRequestError("sampling.repetition_penalty",
+                                  f"must be a finite number > 0, got {repetition_penalty}")
     for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
         if not -2.0 <= value <= 2.0:
             raise InvalidRequestError(f"sampling.{name}", f"must be in [-2, 2], got {value}")

@@ -56,8 +56,8 @@ class LLM:
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_token_ids = self._eos_token_ids()
-        config = read_generation_config(runner.model_path) if os.path.isdir(runner.model_path) else None
-        self.generation_defaults = sampling_defaults(model_display_name(runner.model_path), config)
+        generation_config = read_generation_config(runner.model_path) if os.path.isdir(runner.model_path) else None
+        self.generation_defaults = sampling_defaults(model_display_name(runner.model_path), generation_config)
         runner.eos_token_ids = self.eos_token_ids  # the sampler keeps them out until min_tokens
         config = args.scheduler_config(runner.max_model_len, runner.num_kvcache_blocks)
         self.engine = EngineCore(config, runner, self.eos_token_ids, runner.vocab_size)
