@@ -8,6 +8,7 @@ from services.common.validation import check_wire_sampling
 from services.engine.core.interfaces import EngineStats, RequestOutput, TokenLogprobs
 from services.engine.core.sampling_params import SamplingParams
 from services.engine.core.sequence import FinishReason
+from services.engine.serving.kv_subscribers import KvEventBatch
 
 _FINISH_REASONS = {
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
@@ -66,6 +67,13 @@ def position_logprobs(token_id: int, position: TokenLogprobs) -> common_pb2.Posi
         sampled=common_pb2.TokenLogprob(token_id=token_id, logprob=position.logprob),
         top=[common_pb2.TokenLogprob(token_id=i, logprob=v)
              for i, v in zip(position.top_token_ids, position.top_logprobs)])
+
+
+def kv_events_response(batch: KvEventBatch, block_size: int,
+                       load: engine_pb2.LoadReport) -> engine_pb2.SubscribeKvEventsResponse:
+    return engine_pb2.SubscribeKvEventsResponse(
+        snapshot=batch.snapshot, stored_block_hashes=batch.stored_block_hashes,
+        removed_block_hashes=batch.removed_block_hashes, block_size=block_size, load=load)
 
 
 def load_report(stats: EngineStats, num_finished_requests: int, draining: bool) -> engine_pb2.LoadReport:
