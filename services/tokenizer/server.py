@@ -78,7 +78,7 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
             response = textgen_pb2.GenerateResponse(request_id=resolved.request_id, text=delta, token_ids=ids,
                                                     usage=engine_response.usage)
             if logprobs:
-                response.logprobs.extend(_with_text(self.tokenizer, logprobs[:len(ids)]))
+                response.logprobs.extend(client_logprobs(self.tokenizer, logprobs, len(ids)))
             if matched is not None:
                 response.usage.completion_tokens = num_ids  # the ids past the match are not the client's
                 response.finish_reason = common_pb2.FINISH_REASON_STOP
@@ -158,9 +158,10 @@ def _push(text_stream: TextStream, ids: list[int], has_stops: bool) -> tuple[lis
     return ids, "".join(deltas), None
 
 
-def _with_text(tokenizer: TextTokenizer, logprobs: list) -> list:
-    """The engine's PositionLogprobs with each token's text filled in (one batched decode)."""
-    positions = [common_pb2.PositionLogprobs(sampled=p.sampled, top=p.top) for p in logprobs]
+def client_logprobs(tokenizer: TextTokenizer, logprobs: list, num_ids: int) -> list:
+    """The engine's PositionLogprobs of the first `num_ids` ids (those the client gets: a stop-string match cuts
+    the batch), with each token's text filled in (one batched decode)."""
+    positions = [common_pb2.PositionLogprobs(sampled=p.sampled, top=p.top) for p in logprobs[:num_ids]]
     entries = [entry for p in positions for entry in (p.sampled, *p.top)]
     for entry, text in zip(entries, tokenizer.token_texts([entry.token_id for entry in entries])):
         entry.text = text
