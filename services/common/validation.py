@@ -50,6 +50,7 @@ def escape_for_log(text: str) -> str:
         return text
     return "".join(char if ord(char) in _PRINTABLE_ASCII else char.encode("unicode_escape").decode("ascii")
                    for char in text)
+MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (OpenAI's top_logprobs limit)
 
 
 def check_sampling(*, temperature: float, top_k: int, top_p: float, min_p: float, max_tokens: int,
@@ -76,15 +77,27 @@ def check_sampling(*, temperature: float, top_k: int, top_p: float, min_p: float
         raise InvalidRequestError("sampling.seed", f"must be >= 0, got {seed}")
 
 
-def check_wire_sampling(*, top_k: int | None, num_logprobs: int | None) -> None:
+def check_wire_sampling(*, top_k: int | None) -> None:
     """The checks only the gRPC contracts have (None = the field is unset).
 
-    An explicit top_k of 0 is rejected there (unset disables top-k), and log-probabilities are not computed yet.
+    An explicit top_k of 0 is rejected there (unset disables top-k).
     """
     if top_k == 0:
         raise InvalidRequestError("sampling.top_k", "must be >= 1 (leave it unset to disable top-k)")
-    if num_logprobs is not None:
-        raise InvalidRequestError("sampling.num_logprobs", "log-probabilities are not supported yet")
+
+
+def check_extras(*, num_logprobs: int | None, repetition_penalty: float, presence_penalty: float,
+                 frequency_penalty: float) -> None:
+    """Log-probabilities and penalties. num_logprobs: None or [0, MAX_LOGPROBS]. repetition_penalty: finite, > 0
+    (1 disables it). presence_penalty and frequency_penalty: [-2, 2] (0 disables them). NaN fails every range."""
+    if num_logprobs is not None and not 0 <= num_logprobs <= MAX_LOGPROBS:
+        raise InvalidRequestError("sampling.num_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {num_logprobs}")
+    if not (math.isfinite(repetition_penalty) and repetition_penalty > 0.0):
+        raise InvalidRequestError("sampling.repetition_penalty",
+                                  f"must be a finite number > 0, got {repetition_penalty}")
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not -2.0 <= value <= 2.0:
+            raise InvalidRequestError(f"sampling.{name}", f"must be in [-2, 2], got {value}")
 
 
 def check_token_ids(field: str, token_ids: Sequence[int], vocab_size: int) -> None:

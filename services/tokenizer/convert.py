@@ -9,8 +9,8 @@ from llmserve.textgen.v1 import textgen_pb2
 
 from services.common.errors import InvalidRequestError
 from services.common.validation import (
-    MAX_REQUEST_ID_LEN, STOP_TOKEN_IDS, check_fits, check_prompt, check_room_for_completion, check_sampling,
-    check_token_ids, check_wire_sampling)
+    MAX_REQUEST_ID_LEN, STOP_TOKEN_IDS, check_extras, check_fits, check_prompt, check_room_for_completion,
+    check_sampling, check_token_ids, check_wire_sampling)
 from services.tokenizer.stop import validate_stop_strings
 from services.tokenizer.tokenizer import TextTokenizer
 
@@ -64,14 +64,19 @@ check_ids = check_token_ids
 
 def resolve_sampling(proto: common_pb2.SamplingParams, defaults: dict, num_prompt_tokens: int,
                      max_model_len: int, default_max_tokens: int, vocab_size: int) -> common_pb2.SamplingParams:
-    """Every field set: the request's value, else the model's generation default; ranges checked."""
-    check_wire_sampling(top_k=proto.top_k if proto.HasField("top_k") else None,
-                        num_logprobs=proto.num_logprobs if proto.HasField("num_logprobs") else None)
+    """Every field set: the request's value, else the model's generation default; ranges checked.
+
+    A repetition_penalty default is sent only when it is not neutral (1); presence and frequency penalties have
+    no model default.
+    """
+    check_wire_sampling(top_k=proto.top_k if proto.HasField("top_k") else None)
     resolved = common_pb2.SamplingParams()
     resolved.CopyFrom(proto)
     for name in ("temperature", "top_p", "min_p"):
         if not proto.HasField(name):
             setattr(resolved, name, float(defaults.get(name, 1.0 if name != "min_p" else 0.0)))
+    if not proto.HasField("repetition_penalty") and defaults.get("repetition_penalty", 1.0) != 1.0:
+        resolved.repetition_penalty = float(defaults["repetition_penalty"])
     if not proto.HasField("top_k") and defaults.get("top_k", 0):
         resolved.top_k = int(defaults["top_k"])
     if not proto.HasField("max_tokens"):
@@ -79,6 +84,9 @@ def resolve_sampling(proto: common_pb2.SamplingParams, defaults: dict, num_promp
     check_sampling(temperature=resolved.temperature, top_k=resolved.top_k, top_p=resolved.top_p,
                    min_p=resolved.min_p, max_tokens=resolved.max_tokens, min_tokens=resolved.min_tokens,
                    seed=resolved.seed if resolved.HasField("seed") else None)
+    check_extras(num_logprobs=resolved.num_logprobs if resolved.HasField("num_logprobs") else None,
+                 repetition_penalty=resolved.repetition_penalty if resolved.HasField("repetition_penalty") else 1.0,
+                 presence_penalty=resolved.presence_penalty, frequency_penalty=resolved.frequency_penalty)
     check_fits(num_prompt_tokens, resolved.max_tokens, max_model_len)
     check_token_ids(STOP_TOKEN_IDS, list(resolved.stop_token_ids), vocab_size)
     return resolved

@@ -73,6 +73,7 @@ class EngineStream:
     def __init__(self, call):
         self._call = call
         self._ids: list[int] = []
+        self._logprobs: list = []  # common_pb2.PositionLogprobs, one per id, when the request asked for them
         self._last: engine_pb2.GenerateResponse | None = None
         self._num_new = 0
         self._ended = False
@@ -84,6 +85,8 @@ class EngineStream:
         try:
             async for response in self._call:
                 self._ids += response.token_ids
+                if response.logprobs:
+                    self._logprobs += response.logprobs
                 self._last = response
                 self._num_new += 1
                 if self._waiter is not None:
@@ -112,6 +115,11 @@ class EngineStream:
             return [], None
         ids, self._ids, self._num_new = self._ids, [], 0
         return ids, self._last
+
+    def take_logprobs(self) -> list:
+        """The PositionLogprobs of the ids the last take() returned (empty when the request asked for none)."""
+        logprobs, self._logprobs = self._logprobs, []
+        return logprobs
 
     def cancel(self) -> None:
         """Cancel the engine call (the engine aborts the request) and stop reading."""

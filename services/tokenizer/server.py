@@ -86,11 +86,14 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
                 raise UnavailableError("the engine stream ended without a finish reason")
             if ids:
                 clock.mark_token()
+            logprobs = stream.take_logprobs()
             ids, delta, matched = _push(text_stream, ids, bool(resolved.stops))
             num_ids += len(ids)
             record.num_completion_tokens = num_ids  # a cancelled call logs its count
             response = textgen_pb2.GenerateResponse(request_id=resolved.request_id, text=delta, token_ids=ids,
                                                     usage=engine_response.usage)
+            if logprobs:
+                response.logprobs.extend(client_logprobs(self.tokenizer, logprobs, len(ids)))
             if matched is not None:
                 response.usage.completion_tokens = num_ids  # the ids past the match are not the client's
                 response.finish_reason = common_pb2.FINISH_REASON_STOP
@@ -136,6 +139,8 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
                                              min_p=defaults["min_p"], max_tokens=self.default_max_tokens)
         if defaults["top_k"]:
             sampling.top_k = int(defaults["top_k"])
+        if defaults["repetition_penalty"] != 1.0:
+            sampling.repetition_penalty = defaults["repetition_penalty"]
         response = textgen_pb2.GetModelInfoResponse(
             model_name=info.model_name or self.tokenizer.name, vocab_size=self.tokenizer.vocab_size,
             max_model_len=info.max_model_len, eos_token_ids=self.tokenizer.eos_token_ids,
@@ -173,3 +178,13 @@ def _push(text_stream: TextStream, ids: list[int], has_stops: bool) -> tuple[lis
         if matched is not None:
             return ids[:count], "".join(deltas), matched
     return ids, "".join(deltas), None
+
+
+def client_logprobs(tokenizer: TextTokenizer, logprobs: list, num_ids: int) -> list:
+    """The engine's PositionLogprobs of the first `num_ids` ids (those the client gets: a stop-string match cuts
+    the batch), with each token's text filled in (one batched decode)."""
+    positions = [common_pb2.PositionLogprobs(sampled=p.sampled, top=p.top) for p in logprobs[:num_ids]]
+    entries = [entry for p in positions for entry in (p.sampled, *p.top)]
+    for entry, text in zip(entries, tokenizer.token_texts([entry.token_id for entry in entries])):
+        entry.text = text
+    return positions

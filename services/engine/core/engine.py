@@ -40,6 +40,7 @@ class EngineCore:
         self._aborted: list[Sequence] = []
         self._seq_ids = itertools.count()
         self._admission_rate = AdmissionRate()
+        self._take_logprobs = getattr(runner, "take_logprobs", None)  # optional (see interfaces.ModelRunner)
 
     def add_request(
         self,
@@ -106,10 +107,12 @@ class EngineCore:
             self._admission_rate.record(self.scheduler.num_admitted - num_admitted, time.monotonic())
         if batch.seqs:
             sampled_token_ids = self.runner.execute(batch)
+            logprobs = self._take_logprobs() if self._take_logprobs is not None else None
             for seq in self.scheduler.postprocess(batch, sampled_token_ids):
                 if seq.is_finished:
                     del self._live[seq.request_id]
-                outputs.append(_output_of(seq, [seq.last_token_id]))
+                position = logprobs.get(seq.seq_id) if logprobs else None
+                outputs.append(_output_of(seq, [seq.last_token_id], None if position is None else [position]))
         return outputs
 
     def record_kv_events(self, enabled: bool) -> None:
@@ -148,7 +151,7 @@ class EngineCore:
         )
 
 
-def _output_of(seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
+def _output_of(seq: Sequence, new_token_ids: list[int], logprobs: list | None = None) -> RequestOutput:
     """A sequence's progress as one step output. NOTE: matched_stop_token_id is set exactly when the finish
     reason is STOP, to the EOS or stop token id that ended it (always the last generated token)."""
     stopped = seq.finish_reason == FinishReason.STOP
@@ -161,6 +164,7 @@ def _output_of(seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
         num_cached_tokens=seq.num_prefix_hit_tokens,
         matched_stop_token_id=seq.last_token_id if stopped else None,
         queue_time_s=_queue_time(seq) if seq.finish_reason is not None else None,
+        logprobs=logprobs,
     )
 
 
