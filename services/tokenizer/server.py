@@ -12,7 +12,8 @@ from services.common.convert import RequestClock
 from services.common.errors import UnavailableError
 from services.common.grpc_server import ServingState, request_id_var
 from services.tokenizer.convert import ResolvedRequest, check_ids, prompt_ids, resolve_generate
-from services.tokenizer.engine_client import EngineClient, EngineStream, upstream_error, watch_engine
+from services.tokenizer.engine_client import EngineStream, is_retryable_elsewhere, upstream_error
+from services.tokenizer.engine_pool import EnginePool, Member
 from services.tokenizer.limits import INLINE_MAX_CHARS, InputLimits
 from services.tokenizer.text_stream import TextStream
 from services.tokenizer.tokenizer import TextTokenizer
@@ -22,13 +23,13 @@ SERVICE_NAME = textgen_pb2.DESCRIPTOR.services_by_name["TextGenerationService"].
 
 
 class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
-    """Text in, text deltas out; the engine sees only token ids."""
+    """Text in, text deltas out; the engines see only token ids."""
 
-    def __init__(self, tokenizer: TextTokenizer, engine: EngineClient, state: ServingState,
+    def __init__(self, tokenizer: TextTokenizer, engines: EnginePool, state: ServingState,
                  default_max_tokens: int = 256, limits: InputLimits | None = None):
         self.tokenizer = tokenizer
         self.limits = limits if limits is not None else InputLimits.of(tokenizer)
-        self.engine = engine
+        self.engines = engines
         self.state = state
         self.default_max_tokens = default_max_tokens
 
@@ -41,7 +42,7 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
         request_id_var.set(request_id)
         if self.state.draining:
             raise UnavailableError("tokenizer service is draining")
-        info = self.engine.require_info()
+        info = self.engines.require_info()
         size = self.limits.check_prompt(request, info.max_model_len)
         args = (request, request_id, self.tokenizer, info.max_model_len, self.default_max_tokens)
         # NOTE: a short prompt is tokenized inline: that takes far less than a thread hop.
@@ -49,15 +50,41 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
             resolve_generate, *args)
         text_stream = TextStream(self.tokenizer, resolved.prompt_ids, resolved.stops,
                                  resolved.include_stop_str_in_output, resolved.skip_special_tokens)
-        stream = EngineStream(self.engine.generate(resolved.engine_request(), context.time_remaining()))
+        member, stream, first = await self._start(resolved, context)
         try:
-            await self._relay(stream, resolved, text_stream, clock, context)
+            await self._relay(stream, first, resolved, text_stream, clock, context)
         except grpc.aio.AioRpcError as exc:
             raise upstream_error(exc) from None
         finally:
             stream.cancel()
+            self.engines.release(member)
 
-    async def _relay(self, stream: EngineStream, resolved: ResolvedRequest, text_stream: TextStream,
+    async def _start(self, resolved: ResolvedRequest, context: grpc.aio.ServicerContext):
+        """(replica, its stream, the stream's first take()): a replica that is full or gone before its first
+        message hands the request to another one, each tried once; the last one's status goes to the client."""
+        request = resolved.engine_request()
+        tried: list[Member] = []
+        while (member := self.engines.pick(resolved.prompt_ids, tried)) is not None:
+            stream = EngineStream(member.client.generate(request, context.time_remaining()))
+            try:
+                return member, stream, await stream.take()
+            except grpc.aio.AioRpcError as exc:
+                stream.cancel()
+                self.engines.release(member)
+                if not is_retryable_elsewhere(exc):
+                    raise upstream_error(exc) from None
+                tried.append(member)
+                error = exc
+                logger.info("engine %s answered %s; trying another replica", member.address, exc.code().name)
+            except BaseException:
+                stream.cancel()
+                self.engines.release(member)
+                raise
+        if tried:
+            raise upstream_error(error) from None
+        raise UnavailableError("no engine replica is available")
+
+    async def _relay(self, stream: EngineStream, first: tuple, resolved: ResolvedRequest, text_stream: TextStream,
                      clock: RequestClock, context: grpc.aio.ServicerContext) -> None:
         """Engine messages -> client messages, one per batch of ids that arrived while the previous write was
         under way; on a stop-string match, finish and leave (the caller cancels the engine call).
@@ -66,8 +93,10 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
         The timing on the last message is this service's own (RequestTiming is measured by its sender).
         """
         num_ids = 0
+        taken = first
         while True:
-            ids, engine_response = await stream.take()
+            ids, engine_response = taken if taken is not None else await stream.take()
+            taken = None
             if engine_response is None:
                 raise UnavailableError("the engine stream ended without a finish reason")
             if ids:
@@ -113,7 +142,7 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     async def GetModelInfo(self, request, context) -> textgen_pb2.GetModelInfoResponse:
-        info = self.engine.require_info()
+        info = self.engines.require_info()
         defaults = self.tokenizer.generation_defaults()
         sampling = common_pb2.SamplingParams(temperature=defaults["temperature"], top_p=defaults["top_p"],
                                              min_p=defaults["min_p"], max_tokens=self.default_max_tokens)
@@ -129,15 +158,14 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
         return response
 
 
-async def keep_health_in_step(engine: EngineClient, state: ServingState) -> None:
-    """Report ready only while the engine answers with a matching tokenizer."""
+def health_follower(state: ServingState):
+    """on_ready for the EnginePool: ready while an engine replica answers with a matching tokenizer."""
 
     async def on_change(ready: bool) -> None:
         if not state.draining:
             await state.mark_ready(ready)
 
-    await watch_engine(engine, on_change)
-
+    return on_change
 
 
 def _push(text_stream: TextStream, ids: list[int], has_stops: bool) -> tuple[list[int], str, str | None]:
