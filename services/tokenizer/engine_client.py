@@ -76,21 +76,23 @@ class EngineClient:
                 queued = event.load.num_running + event.load.num_waiting if event.HasField("load") else None
                 on_event(event.snapshot, event.stored_block_hashes, event.removed_block_hashes, queued)
         except grpc.aio.AioRpcError as exc:
-            raise KvEventsEnded(exc.code() == grpc.StatusCode.UNIMPLEMENTED, exc.code().name) from None
+            raise KvEventsEnded(exc.code().name) from None
         finally:
             call.cancel()
-        raise KvEventsEnded(False, "OK")
+        raise KvEventsEnded("OK")
 
     async def close(self) -> None:
         await self.channel.close()
 
 
 class KvEventsEnded(Exception):
-    """A SubscribeKvEvents stream ended; `unimplemented` when the engine has no such RPC (an older build)."""
+    """A SubscribeKvEvents stream ended. `unimplemented`: the engine has no such RPC (an older build);
+    `lagged`: the engine dropped this subscriber for reading too slowly (subscribing again at once is right)."""
 
-    def __init__(self, unimplemented: bool, code: str):
+    def __init__(self, code: str):
         super().__init__(f"KV events ended with {code}")
-        self.unimplemented = unimplemented
+        self.unimplemented = code == "UNIMPLEMENTED"
+        self.lagged = code == "RESOURCE_EXHAUSTED"
 
 
 def is_retryable_elsewhere(exc: BaseException) -> bool:

@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 RESOLVE_INTERVAL_S = 5.0
 KV_RESUBSCRIBE_S = 1.0  # after a KV event stream ends while the replica still looks ready
+KV_LAGGED_RESUBSCRIBE_S = 0.05  # after the engine dropped us for reading too slowly
 KV_UNIMPLEMENTED_RETRY_S = 30.0  # an engine build without SubscribeKvEvents: ask again this rarely
 
 
@@ -194,14 +195,20 @@ class EnginePool:
             replica.index.apply(snapshot, stored, removed)
             if queued is not None:
                 replica.num_reported = queued
+            if snapshot:
+                logger.info("engine %s: KV events followed, snapshot of %d cached blocks", member.address,
+                            len(stored))
 
         while True:
             await member.client.ready.wait()
             try:
                 await member.client.follow_kv_events(on_event)
             except KvEventsEnded as ended:
+                logger.info("engine %s: %s", member.address, ended)
+                if ended.lagged:  # the next snapshot replaces the index: keep routing by this one meanwhile
+                    await asyncio.sleep(KV_LAGGED_RESUBSCRIBE_S)
+                    continue
                 replica.index.clear()
                 if ended.unimplemented:
                     logger.warning("engine %s has no SubscribeKvEvents: routing to it by load only", member.address)
-                logger.debug("engine %s: %s", member.address, ended)
                 await asyncio.sleep(KV_UNIMPLEMENTED_RETRY_S if ended.unimplemented else KV_RESUBSCRIBE_S)
