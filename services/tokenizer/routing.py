@@ -26,8 +26,11 @@ from dataclasses import dataclass, field
 from services.common.block_hash import prompt_block_hashes
 
 # A replica within this many requests of the least loaded one may take a request for its cached prefix...
-LOAD_SLACK_REQUESTS = 4
-# ...plus this fraction of the least load, so the allowance grows with the load (at 32 streams: 4 + 16).
+# NOTE: generous on purpose: a continuous-batching engine decodes its streams in one batch, so a few more of
+# them cost each far less than recomputing a long prefix elsewhere (which also evicts that replica's own
+# prefixes). In bench/routing.py a slack of 4 sent ~10% of requests away from their prefix; 16 kept them.
+LOAD_SLACK_REQUESTS = 16
+# ...plus this fraction of the least load, so the allowance grows with the load (at 32 streams: 16 + 16).
 LOAD_SLACK_FRACTION = 0.5
 # How long blocks a request was just routed with count as cached there without the engine's word for it.
 PENDING_TTL_S = 10.0

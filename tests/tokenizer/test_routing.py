@@ -42,14 +42,14 @@ def holding(replica: Replica, num_blocks: int) -> Replica:
 
 
 def test_the_slack_constants_are_the_documented_ones():
-    assert (LOAD_SLACK_REQUESTS, LOAD_SLACK_FRACTION) == (4, 0.5)
-    assert load_slack(0) == 4 and load_slack(10) == 9
+    assert (LOAD_SLACK_REQUESTS, LOAD_SLACK_FRACTION) == (16, 0.5)
+    assert load_slack(0) == 16 and load_slack(10) == 21
 
 
 @pytest.mark.parametrize("min_load, holder_load, goes_to_holder", [
-    (0, 4, True), (0, 5, False),        # slack 4 at no load: == is still within (<=), one more is not
-    (10, 19, True), (10, 20, False),    # slack 4 + 0.5 * 10 = 9
-    (3, 8, True), (3, 9, False),        # slack 4 + 1.5: 8.5 allows 8, not 9
+    (0, 16, True), (0, 17, False),      # slack 16 at no load: == is still within (<=), one more is not
+    (10, 31, True), (10, 32, False),    # slack 16 + 0.5 * 10 = 21
+    (3, 20, True), (3, 21, False),      # slack 16 + 1.5: 20.5 allows 20, not 21
 ])
 def test_a_prefix_holder_wins_only_within_the_load_slack(min_load, holder_load, goes_to_holder):
     idle, holder = replicas(min_load, holder_load)
@@ -64,7 +64,7 @@ def test_the_longest_cached_prefix_wins():
 
 
 def test_an_overloaded_longest_holder_leaves_the_next_longest_within_slack():
-    idle, overloaded, shorter = replicas(0, 5, 3)
+    idle, overloaded, shorter = replicas(0, 17, 3)
     holding(overloaded, 4)
     holding(shorter, 2)
     assert Router(Routing.PREFIX, BLOCK).choose([idle, overloaded, shorter], PROMPT) is shorter
