@@ -99,8 +99,8 @@ class EnginePool:
         if len(candidates) == 1:
             member = candidates[0]
         else:
-            chosen = self.router.choose([member.replica for member in candidates], prompt_ids)
-            member = self.members[chosen.address]
+            replicas = [member.replica for member in candidates]
+            member = candidates[replicas.index(self.router.choose(replicas, prompt_ids))]
         member.replica.num_in_flight += 1
         return member
 
@@ -150,6 +150,7 @@ class EnginePool:
                     member.replica.num_in_flight)
         del self.members[member.address]
         member.retired, member.replica.ready = True, False
+        self._ready = [ready for ready in self._ready if ready is not member]
         for task in member.tasks:
             task.cancel()
         if member.replica.num_in_flight == 0:
