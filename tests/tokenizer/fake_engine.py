@@ -28,6 +28,7 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         self.gate = asyncio.Event()
         self.gate.set()
         self.full = False
+        self.fingerprint = ""  # "" = unknown tokenizer (accepted); anything else must match the router's
         self.num_queued = 0
         self.cached: list[int] = []  # the snapshot a new KV subscriber gets
         self.kv_subscribers: list[asyncio.Queue] = []
@@ -68,7 +69,8 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
 
     async def GetEngineInfo(self, request, context):
         return engine_pb2.GetEngineInfoResponse(model_name=self.name, vocab_size=64, max_model_len=MAX_MODEL_LEN,
-                                                block_size=BLOCK_SIZE, num_total_blocks=64)
+                                                block_size=BLOCK_SIZE, num_total_blocks=64,
+                                                tokenizer_fingerprint=self.fingerprint)
 
     async def GetLoad(self, request, context):
         return engine_pb2.LoadReport(num_running=self.num_queued)

@@ -132,6 +132,22 @@ def test_a_dead_replicas_stream_ends_unavailable_others_take_over_and_it_rejoins
     asyncio.run(scenario())
 
 
+def test_a_replica_built_for_another_tokenizer_never_joins(tiny_tokenizer):
+    async def scenario():
+        a, b = FakeEngine("a"), FakeEngine("b")
+        b.fingerprint = "another-tokenizer"
+        targets = await started(a, b)
+        async with served(tiny_tokenizer, targets, Routing.ROUND_ROBIN) as (pool, flips, stub):
+            await until(lambda: num_ready(pool) == 1, "the matching replica ready")
+            assert [await complete(stub) for _ in range(4)] == [common_pb2.FINISH_REASON_LENGTH] * 4
+            assert (len(a.prompts), len(b.prompts), flips) == (4, 0, [True])
+            assert not pool.members[b.target].replica.ready
+        await a.stop()
+        await b.stop()
+
+    asyncio.run(scenario())
+
+
 def test_resource_exhausted_tries_each_other_replica_once_then_passes_the_status_on(tiny_tokenizer):
     async def scenario():
         a, b = FakeEngine("a"), FakeEngine("b")
