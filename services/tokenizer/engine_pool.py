@@ -43,6 +43,26 @@ class Member:
         return self.replica.address
 
 
+class SingleEngine:
+    """The pool's interface over one EngineClient whose owner watches it (the wiring from before the pool, which
+    tools and tests still use): ready while the client is, no routing."""
+
+    def __init__(self, client: EngineClient):
+        self.member = Member(Replica(client.target), client)
+
+    def require_info(self):
+        return self.member.client.require_info()
+
+    def pick(self, prompt_ids: Sequence[int], exclude: Sequence[Member] = ()) -> Member | None:
+        if exclude or not self.member.client.ready.is_set():
+            return None
+        self.member.replica.num_in_flight += 1
+        return self.member
+
+    def release(self, member: Member) -> None:
+        member.replica.num_in_flight -= 1
+
+
 class EnginePool:
     """The replicas behind --engine, kept current, and the choice of one per request.
 

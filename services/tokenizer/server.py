@@ -12,8 +12,9 @@ from services.common.convert import RequestClock
 from services.common.errors import UnavailableError
 from services.common.grpc_server import ServingState, request_id_var
 from services.tokenizer.convert import ResolvedRequest, check_ids, prompt_ids, resolve_generate
-from services.tokenizer.engine_client import EngineStream, is_retryable_elsewhere, upstream_error
-from services.tokenizer.engine_pool import EnginePool, Member
+from services.tokenizer.engine_client import (
+    EngineClient, EngineStream, is_retryable_elsewhere, upstream_error, watch_engine)
+from services.tokenizer.engine_pool import EnginePool, Member, SingleEngine
 from services.tokenizer.limits import INLINE_MAX_CHARS, InputLimits
 from services.tokenizer.text_stream import TextStream
 from services.tokenizer.tokenizer import TextTokenizer
@@ -25,11 +26,12 @@ SERVICE_NAME = textgen_pb2.DESCRIPTOR.services_by_name["TextGenerationService"].
 class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
     """Text in, text deltas out; the engines see only token ids."""
 
-    def __init__(self, tokenizer: TextTokenizer, engines: EnginePool, state: ServingState,
+    def __init__(self, tokenizer: TextTokenizer, engines: EnginePool | EngineClient, state: ServingState,
                  default_max_tokens: int = 256, limits: InputLimits | None = None):
+        """engines: the EnginePool, or one EngineClient that the caller keeps checked (keep_health_in_step)."""
         self.tokenizer = tokenizer
         self.limits = limits if limits is not None else InputLimits.of(tokenizer)
-        self.engines = engines
+        self.engines = SingleEngine(engines) if isinstance(engines, EngineClient) else engines
         self.state = state
         self.default_max_tokens = default_max_tokens
 
@@ -156,6 +158,11 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
         if self.tokenizer.bos_token_id is not None:
             response.bos_token_id = self.tokenizer.bos_token_id
         return response
+
+
+async def keep_health_in_step(engine: EngineClient, state: ServingState) -> None:
+    """Report ready only while one engine answers with a matching tokenizer (the single-client wiring)."""
+    await watch_engine(engine, health_follower(state))
 
 
 def health_follower(state: ServingState):
