@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from services.common.errors import UnavailableError
 from services.tokenizer.engine_client import EngineClient, KvEventsEnded, watch_engine
+from services.tokenizer.metrics import record_routing
 from services.tokenizer.routing import Replica, Router, Routing
 from services.tokenizer.routing_targets import EngineTarget, Resolver, resolve_with_getaddrinfo
 
@@ -122,6 +123,7 @@ class EnginePool:
             replicas = [member.replica for member in candidates]
             member = candidates[replicas.index(self.router.choose(replicas, prompt_ids))]
         member.replica.num_in_flight += 1
+        record_routing(self.router.policy.value, member.address)
         return member
 
     def release(self, member: Member) -> None:

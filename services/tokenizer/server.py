@@ -10,12 +10,14 @@ from llmserve.textgen.v1 import textgen_pb2, textgen_pb2_grpc
 
 from services.common.convert import RequestClock
 from services.common.errors import UnavailableError
-from services.common.grpc_server import ServingState, request_id_var
+from services.common.grpc_server import ServingState, request_id_var, status_code_name
+from services.common.metrics import RequestObserver, RequestRecord
 from services.tokenizer.convert import ResolvedRequest, check_ids, prompt_ids, resolve_generate
 from services.tokenizer.engine_client import (
     EngineClient, EngineStream, is_retryable_elsewhere, upstream_error, watch_engine)
 from services.tokenizer.engine_pool import EnginePool, Member, SingleEngine
 from services.tokenizer.limits import INLINE_MAX_CHARS, InputLimits
+from services.tokenizer.metrics import record_engine_result
 from services.tokenizer.text_stream import TextStream
 from services.tokenizer.tokenizer import TextTokenizer
 
@@ -27,9 +29,11 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
     """Text in, text deltas out; the engines see only token ids."""
 
     def __init__(self, tokenizer: TextTokenizer, engines: EnginePool | EngineClient, state: ServingState,
-                 default_max_tokens: int = 256, limits: InputLimits | None = None):
-        """engines: the EnginePool, or one EngineClient that the caller keeps checked (keep_health_in_step)."""
+                 default_max_tokens: int = 256, limits: InputLimits | None = None, metrics=None):
+        """engines: the EnginePool, or one EngineClient that the caller keeps checked (keep_health_in_step).
+        metrics: this worker's TokenizerMetrics (services.tokenizer.metrics), or None when they are off."""
         self.tokenizer = tokenizer
+        self.requests = RequestObserver(logger, metrics)
         self.limits = limits if limits is not None else InputLimits.of(tokenizer)
         self.engines = SingleEngine(engines) if isinstance(engines, EngineClient) else engines
         self.state = state
@@ -42,6 +46,11 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
         clock = RequestClock()
         request_id = request.request_id or uuid.uuid4().hex
         request_id_var.set(request_id)
+        with self.requests.track(request_id, clock, lambda exc: status_code_name(exc, context)) as record:
+            await self._generate(request, request_id, clock, context, record)
+
+    async def _generate(self, request: textgen_pb2.GenerateRequest, request_id: str, clock: RequestClock,
+                        context: grpc.aio.ServicerContext, record: RequestRecord) -> None:
         if self.state.draining:
             raise UnavailableError("tokenizer service is draining")
         info = self.engines.require_info()
@@ -52,27 +61,34 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
             resolve_generate, *args)
         text_stream = TextStream(self.tokenizer, resolved.prompt_ids, resolved.stops,
                                  resolved.include_stop_str_in_output, resolved.skip_special_tokens)
-        member, stream, first = await self._start(resolved, context)
+        record.num_prompt_tokens, record.admitted = len(resolved.prompt_ids), True
+        member, stream, first = await self._start(resolved, context, record)
         try:
-            await self._relay(stream, first, resolved, text_stream, clock, context)
+            await self._relay(stream, first, resolved, text_stream, clock, context, record)
         except grpc.aio.AioRpcError as exc:
+            record.engine_code = exc.code().name
             raise upstream_error(exc) from None
         finally:
             stream.cancel()
             self.engines.release(member)
 
-    async def _start(self, resolved: ResolvedRequest, context: grpc.aio.ServicerContext):
+    async def _start(self, resolved: ResolvedRequest, context: grpc.aio.ServicerContext, record: RequestRecord):
         """(replica, its stream, the stream's first take()): a replica that is full or gone before its first
-        message hands the request to another one, each tried once; the last one's status goes to the client."""
+        message hands the request to another one, each tried once; the last one's status goes to the client.
+        `record` names the attempt the request ends on; the metrics count the earlier attempts here."""
         request = resolved.engine_request()
         tried: list[Member] = []
         while (member := self.engines.pick(resolved.prompt_ids, tried)) is not None:
+            if tried:
+                record_engine_result(record.engine, record.engine_code)
+            record.engine, record.engine_code = member.address, None
             stream = EngineStream(member.client.generate(request, context.time_remaining()))
             try:
                 return member, stream, await stream.take()
             except grpc.aio.AioRpcError as exc:
                 stream.cancel()
                 self.engines.release(member)
+                record.engine_code = exc.code().name
                 if not is_retryable_elsewhere(exc):
                     raise upstream_error(exc) from None
                 tried.append(member)
@@ -87,7 +103,7 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
         raise UnavailableError("no engine replica is available")
 
     async def _relay(self, stream: EngineStream, first: tuple, resolved: ResolvedRequest, text_stream: TextStream,
-                     clock: RequestClock, context: grpc.aio.ServicerContext) -> None:
+                     clock: RequestClock, context: grpc.aio.ServicerContext, record: RequestRecord) -> None:
         """Engine messages -> client messages, one per batch of ids that arrived while the previous write was
         under way; on a stop-string match, finish and leave (the caller cancels the engine call).
 
@@ -105,6 +121,7 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
                 clock.mark_token()
             ids, delta, matched = _push(text_stream, ids, bool(resolved.stops))
             num_ids += len(ids)
+            record.num_completion_tokens = num_ids  # a cancelled call logs its count
             response = textgen_pb2.GenerateResponse(request_id=resolved.request_id, text=delta, token_ids=ids,
                                                     usage=engine_response.usage)
             if matched is not None:
@@ -112,6 +129,7 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
                 response.finish_reason = common_pb2.FINISH_REASON_STOP
                 response.matched_stop_string = matched
                 response.timing.CopyFrom(clock.to_proto())
+                _finish(record, response)
                 await context.write(response)
                 return
             if engine_response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
@@ -120,6 +138,7 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
                 response.timing.CopyFrom(clock.to_proto())
                 if engine_response.HasField("matched_stop_token_id"):
                     response.matched_stop_token_id = engine_response.matched_stop_token_id
+                _finish(record, response)
                 await context.write(response)
                 return
             await context.write(response)
@@ -173,6 +192,11 @@ def health_follower(state: ServingState):
             await state.mark_ready(ready)
 
     return on_change
+
+
+def _finish(record: RequestRecord, response: textgen_pb2.GenerateResponse) -> None:
+    usage = response.usage
+    record.finish(response.finish_reason, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
 
 
 def _push(text_stream: TextStream, ids: list[int], has_stops: bool) -> tuple[list[int], str, str | None]:
