@@ -14,8 +14,11 @@ from services.common.grpc_server import ServingState, request_id_var, status_cod
 from services.common.metrics import RequestObserver, RequestRecord
 from services.common.validation import check_request_id, loggable_request_id
 from services.tokenizer.convert import ResolvedRequest, check_ids, prompt_ids, resolve_generate
-from services.tokenizer.engine_client import EngineClient, EngineStream, upstream_error, watch_engine
+from services.tokenizer.engine_client import (
+    EngineClient, EngineStream, is_retryable_elsewhere, upstream_error, watch_engine)
+from services.tokenizer.engine_pool import EnginePool, Member, SingleEngine
 from services.tokenizer.limits import INLINE_MAX_CHARS, InputLimits
+from services.tokenizer.metrics import record_engine_result
 from services.tokenizer.text_stream import TextStream
 from services.tokenizer.tokenizer import TextTokenizer
 
@@ -24,15 +27,16 @@ SERVICE_NAME = textgen_pb2.DESCRIPTOR.services_by_name["TextGenerationService"].
 
 
 class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
-    """Text in, text deltas out; the engine sees only token ids."""
+    """Text in, text deltas out; the engines see only token ids."""
 
-    def __init__(self, tokenizer: TextTokenizer, engine: EngineClient, state: ServingState,
+    def __init__(self, tokenizer: TextTokenizer, engines: EnginePool | EngineClient, state: ServingState,
                  default_max_tokens: int = 256, limits: InputLimits | None = None, metrics=None):
-        """metrics: this worker's TokenizerMetrics (services.tokenizer.metrics), or None when they are off."""
+        """engines: the EnginePool, or one EngineClient that the caller keeps checked (keep_health_in_step).
+        metrics: this worker's TokenizerMetrics (services.tokenizer.metrics), or None when they are off."""
         self.tokenizer = tokenizer
         self.requests = RequestObserver(logger, metrics)
         self.limits = limits if limits is not None else InputLimits.of(tokenizer)
-        self.engine = engine
+        self.engines = SingleEngine(engines) if isinstance(engines, EngineClient) else engines
         self.state = state
         self.default_max_tokens = default_max_tokens
 
@@ -52,7 +56,7 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
                         context: grpc.aio.ServicerContext, record: RequestRecord) -> None:
         if self.state.draining:
             raise UnavailableError("tokenizer service is draining")
-        info = self.engine.require_info()
+        info = self.engines.require_info()
         size = self.limits.check_prompt(request, info.max_model_len)
         args = (request, request_id, self.tokenizer, info.max_model_len, self.default_max_tokens)
         # NOTE: a short prompt is tokenized inline: that takes far less than a thread hop.
@@ -61,17 +65,47 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
         text_stream = TextStream(self.tokenizer, resolved.prompt_ids, resolved.stops,
                                  resolved.include_stop_str_in_output, resolved.skip_special_tokens)
         record.num_prompt_tokens, record.admitted = len(resolved.prompt_ids), True
-        stream = EngineStream(self.engine.generate(resolved.engine_request(), context.time_remaining()))
-        record.engine = self.engine.target
+        member, stream, first = await self._start(resolved, context, record)
         try:
-            await self._relay(stream, resolved, text_stream, clock, context, record)
+            await self._relay(stream, first, resolved, text_stream, clock, context, record)
         except grpc.aio.AioRpcError as exc:
             record.engine_code = exc.code().name
             raise upstream_error(exc) from None
         finally:
             stream.cancel()
+            self.engines.release(member)
 
-    async def _relay(self, stream: EngineStream, resolved: ResolvedRequest, text_stream: TextStream,
+    async def _start(self, resolved: ResolvedRequest, context: grpc.aio.ServicerContext, record: RequestRecord):
+        """(replica, its stream, the stream's first take()): a replica that is full or gone before its first
+        message hands the request to another one, each tried once; the last one's status goes to the client.
+        `record` names the attempt the request ends on; the metrics count the earlier attempts here."""
+        request = resolved.engine_request()
+        tried: list[Member] = []
+        while (member := self.engines.pick(resolved.prompt_ids, tried)) is not None:
+            if tried:
+                record_engine_result(record.engine, record.engine_code)
+            record.engine, record.engine_code = member.address, None
+            stream = EngineStream(member.client.generate(request, context.time_remaining()))
+            try:
+                return member, stream, await stream.take()
+            except grpc.aio.AioRpcError as exc:
+                stream.cancel()
+                self.engines.release(member)
+                record.engine_code = exc.code().name
+                if not is_retryable_elsewhere(exc):
+                    raise upstream_error(exc) from None
+                tried.append(member)
+                error = exc
+                logger.info("engine %s answered %s; trying another replica", member.address, exc.code().name)
+            except BaseException:
+                stream.cancel()
+                self.engines.release(member)
+                raise
+        if tried:
+            raise upstream_error(error) from None
+        raise UnavailableError("no engine replica is available")
+
+    async def _relay(self, stream: EngineStream, first: tuple, resolved: ResolvedRequest, text_stream: TextStream,
                      clock: RequestClock, context: grpc.aio.ServicerContext, record: RequestRecord) -> None:
         """Engine messages -> client messages, one per batch of ids that arrived while the previous write was
         under way; on a stop-string match, finish and leave (the caller cancels the engine call).
@@ -80,8 +114,10 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
         The timing on the last message is this service's own (RequestTiming is measured by its sender).
         """
         num_ids = 0
+        taken = first
         while True:
-            ids, engine_response = await stream.take()
+            ids, engine_response = taken if taken is not None else await stream.take()
+            taken = None
             if engine_response is None:
                 raise UnavailableError("the engine stream ended without a finish reason")
             if ids:
@@ -133,7 +169,7 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     async def GetModelInfo(self, request, context) -> textgen_pb2.GetModelInfoResponse:
-        info = self.engine.require_info()
+        info = self.engines.require_info()
         defaults = self.tokenizer.generation_defaults()
         sampling = common_pb2.SamplingParams(temperature=defaults["temperature"], top_p=defaults["top_p"],
                                              min_p=defaults["min_p"], max_tokens=self.default_max_tokens)
@@ -152,14 +188,18 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
 
 
 async def keep_health_in_step(engine: EngineClient, state: ServingState) -> None:
-    """Report ready only while the engine answers with a matching tokenizer."""
+    """Report ready only while one engine answers with a matching tokenizer (the single-client wiring)."""
+    await watch_engine(engine, health_follower(state))
+
+
+def health_follower(state: ServingState):
+    """on_ready for the EnginePool: ready while an engine replica answers with a matching tokenizer."""
 
     async def on_change(ready: bool) -> None:
         if not state.draining:
             await state.mark_ready(ready)
 
-    await watch_engine(engine, on_change)
-
+    return on_change
 
 
 def _finish(record: RequestRecord, response: textgen_pb2.GenerateResponse) -> None:
