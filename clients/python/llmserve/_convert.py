@@ -36,6 +36,9 @@ SAMPLING_FIELDS = (
     "min_tokens",
     "ignore_eos",
     "num_logprobs",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
 )
 # Structured output: at most one (a oneof in SamplingParams); json_schema may also be given as a dict.
 CONSTRAINT_FIELDS = ("json_schema", "regex", "grammar", "json_object")
@@ -53,6 +56,9 @@ class GenerateOptions(TypedDict, total=False):
     min_tokens: int | None
     ignore_eos: bool | None
     num_logprobs: int | None
+    repetition_penalty: float | None
+    presence_penalty: float | None
+    frequency_penalty: float | None
     json_schema: str | Mapping[str, Any] | None
     regex: str | None
     grammar: str | None
@@ -166,8 +172,8 @@ def _timing(message: common_pb2.RequestTiming) -> Timing:
 def _logprobs(position: common_pb2.PositionLogprobs) -> PositionLogprobs:
     sampled = None
     if position.HasField("sampled"):
-        sampled = TokenLogprob(position.sampled.token_id, position.sampled.logprob)
-    return PositionLogprobs(sampled, tuple(TokenLogprob(t.token_id, t.logprob) for t in position.top))
+        sampled = TokenLogprob(position.sampled.token_id, position.sampled.logprob, position.sampled.text)
+    return PositionLogprobs(sampled, tuple(TokenLogprob(t.token_id, t.logprob, t.text) for t in position.top))
 
 
 class ResultBuilder:
