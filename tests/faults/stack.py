@@ -38,7 +38,8 @@ MAX_MODEL_LEN = 512
 DEFAULT_MAX_TOKENS = 16  # the fuzz leaves max_tokens unset often: keep those requests short
 # Room for every stream of the load test at its longest, so no sequence is preempted (recomputed) under load:
 # greedy outputs are compared exactly, and a recomputed prefill sums in another order than the decode steps.
-ENGINE_FLAGS = ["--api-workers", "2", "--max-model-len", str(MAX_MODEL_LEN), "--num-kvcache-blocks", "2048",
+ENGINE_FRONTS = 2
+ENGINE_FLAGS = ["--api-workers", str(ENGINE_FRONTS), "--max-model-len", str(MAX_MODEL_LEN), "--num-kvcache-blocks", "2048",
                 "--max-num-seqs", "32", "--max-num-batched-tokens", "2048", "--grace-period", str(GRACE_S)]
 
 

@@ -89,3 +89,22 @@ def read_sync(stub: textgen_pb2_grpc.TextGenerationServiceStub, request: textgen
     except grpc.RpcError as exc:
         outcome.code, outcome.details = exc.code(), exc.details() or ""
     return outcome
+
+
+async def streams_around(target: str, requests: list[textgen_pb2.GenerateRequest], action, call_timeout_s: float,
+                         ended_within_s: float, first_message_timeout_s: float = 60.0) -> list[Outcome]:
+    """Start every request; once each stream has its first message, run the blocking action() in a thread; then
+    every stream must end within ended_within_s (a call still open then fails the test: a hang, not a deadline).
+    """
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = textgen_pb2_grpc.TextGenerationServiceStub(channel)
+        firsts = [asyncio.Event() for _ in requests]
+        tasks = [asyncio.create_task(run_stream(stub, request, call_timeout_s, first_message=first))
+                 for request, first in zip(requests, firsts)]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(first.wait() for first in firsts)), first_message_timeout_s)
+            await asyncio.to_thread(action)
+            return await asyncio.wait_for(asyncio.gather(*tasks), ended_within_s)
+        finally:
+            for task in tasks:
+                task.cancel()
