@@ -25,6 +25,7 @@ class Outcome:
     finish_reasons: list[int] = field(default_factory=list)  # one entry per message
     request_ids: set[str] = field(default_factory=set)
     completion_tokens: int = 0  # usage on the last message
+    error: grpc.RpcError | None = None  # the failed call, for its status details
 
     def contract_violations(self) -> list[str]:
         """What breaks "messages, then one carrying the finish reason, then OK" (empty when nothing does)."""
@@ -75,7 +76,7 @@ async def run_stream(stub: textgen_pb2_grpc.TextGenerationServiceStub, request: 
                 outcome.code = grpc.StatusCode.CANCELLED
                 return outcome
     except grpc.aio.AioRpcError as exc:
-        outcome.code, outcome.details = exc.code(), exc.details() or ""
+        outcome.code, outcome.details, outcome.error = exc.code(), exc.details() or "", exc
     return outcome
 
 
@@ -87,7 +88,7 @@ def read_sync(stub: textgen_pb2_grpc.TextGenerationServiceStub, request: textgen
         for response in stub.Generate(request, timeout=timeout_s):
             _take(outcome, response)
     except grpc.RpcError as exc:
-        outcome.code, outcome.details = exc.code(), exc.details() or ""
+        outcome.code, outcome.details, outcome.error = exc.code(), exc.details() or "", exc
     return outcome
 
 
