@@ -47,10 +47,11 @@ def start_engine(model_dir: str, port: int) -> ServiceProcess:
     return ServiceProcess("engine", ["--model", model_dir, *ENGINE_FLAGS], port)
 
 
-def start_tokenizer(model_dir: str, engine_targets: list[str], port: int = 0) -> ServiceProcess:
+def start_tokenizer(model_dir: str, engine_targets: list[str], port: int = 0,
+                    extra: list[str] | None = None) -> ServiceProcess:
     return ServiceProcess("tokenizer", ["--engine", ",".join(engine_targets), "--model", model_dir, "--workers", "1",
                                         "--default-max-tokens", str(DEFAULT_MAX_TOKENS),
-                                        "--grace-period", str(GRACE_S)], port)
+                                        "--grace-period", str(GRACE_S), *(extra or [])], port)
 
 
 def descendants(pid: int) -> list[int]:
@@ -75,6 +76,17 @@ def alive(pid: int) -> bool:
 def wait_gone(pids: list[int], timeout_s: float = EXIT_TIMEOUT_S) -> None:
     poll_until(lambda: True if not any(alive(pid) for pid in pids) else None, timeout_s,
                f"processes {pids} to be gone")
+
+
+def kill_tree(process: ServiceProcess) -> list[int]:
+    """SIGKILL a service and every process under it (as a node failure or the OOM killer would)."""
+    pids = [process.proc.pid, *descendants(process.proc.pid)]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    process.proc.wait(EXIT_TIMEOUT_S)
+    wait_gone(pids)
+    return pids
 
 
 class FaultStack:
@@ -110,14 +122,7 @@ class FaultStack:
         self.wait_ready()
 
     def kill_engine_service(self) -> list[int]:
-        """SIGKILL every process of the engine service (as a node failure or the OOM killer would)."""
-        pids = [self.engine.proc.pid, *descendants(self.engine.proc.pid)]
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        self.engine.proc.wait(EXIT_TIMEOUT_S)
-        wait_gone(pids)
-        return pids
+        return kill_tree(self.engine)
 
     def stop(self) -> None:
         """SIGTERM both at once (each drains on its own), then wait for each."""
