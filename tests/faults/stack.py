@@ -34,13 +34,14 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 GRACE_S = 30.0  # drains end as soon as the streams do; this only bounds a drain that would not
 START_TIMEOUT_S = 180.0
 EXIT_TIMEOUT_S = 30.0
-MAX_MODEL_LEN = 512
+MAX_MODEL_LEN = 4096  # room for streams that cannot end by themselves before the test is done with them
 DEFAULT_MAX_TOKENS = 16  # the fuzz leaves max_tokens unset often: keep those requests short
 # Room for every stream of the load test at its longest, so no sequence is preempted (recomputed) under load:
 # greedy outputs are compared exactly, and a recomputed prefill sums in another order than the decode steps.
 ENGINE_FRONTS = 2
-ENGINE_FLAGS = ["--api-workers", str(ENGINE_FRONTS), "--max-model-len", str(MAX_MODEL_LEN), "--num-kvcache-blocks", "2048",
-                "--max-num-seqs", "32", "--max-num-batched-tokens", "2048", "--grace-period", str(GRACE_S)]
+ENGINE_FLAGS = ["--api-workers", str(ENGINE_FRONTS), "--max-model-len", str(MAX_MODEL_LEN),
+                "--num-kvcache-blocks", "2048", "--max-num-seqs", "32", "--max-num-batched-tokens", "2048",
+                "--grace-period", str(GRACE_S)]
 
 
 def start_engine(model_dir: str, port: int) -> ServiceProcess:

@@ -15,10 +15,10 @@ import grpc
 import pytest
 
 from llmserve.textgen.v1 import textgen_pb2_grpc
-from tests.faults.stack import MAX_MODEL_LEN, greedy_request
+from tests.faults.stack import greedy_request
 from tests.faults.streams import LENGTH, Outcome, read_sync, run_stream
 from tests.services.engine_pause import paused
-from tests.services.helpers import wait_engine_idle
+from tests.services.helpers import engine_load, wait_engine_idle
 from tests.services.procs import LoggedProcess, poll_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -28,7 +28,10 @@ NUM_CANCELLED, NUM_DEADLINE, NUM_NORMAL = 20, 10, 164
 NUM_CLIENT_PROCESSES, STREAMS_PER_CLIENT = 2, 3  # 194 + 2 * 3 = 200 streams
 CONCURRENCY = 32
 MAX_TOKENS_CHOICES = (8, 16, 24, 32, 40)
-LONG_MAX_TOKENS = 400  # the streams that are cut: never reached
+LONG_MAX_TOKENS = 4000  # the streams that are cut: never reached
+# Tokens a cut stream may still get from the engine past what its client read (the abort is in flight meanwhile).
+# Without the abort each would run to LONG_MAX_TOKENS: several times the total this allows.
+ABORT_SLACK_TOKENS = 500
 CANCEL_AFTER_MESSAGES = 3
 SHORT_DEADLINE_S = 0.5
 CALL_TIMEOUT_S = 120.0
@@ -82,7 +85,7 @@ async def run_load(target: str, planned: list[Planned]) -> list[Outcome]:
 
 def start_clients(target: str) -> list[LoggedProcess]:
     return [LoggedProcess(f"stream-client-{i}", [sys.executable, "-m", "tests.faults.stream_client", target,
-                                                 str(STREAMS_PER_CLIENT), str(MAX_MODEL_LEN - 32)])
+                                                 str(STREAMS_PER_CLIENT), str(LONG_MAX_TOKENS)])
             for i in range(NUM_CLIENT_PROCESSES)]
 
 
@@ -132,9 +135,15 @@ def check(stream: Planned, outcome: Outcome, reference: list[int]) -> str | None
     return None if outcome.token_ids[:num_checked] == reference[:num_checked] else "partial tokens differ"
 
 
+def generated_tokens(stack) -> int:
+    with grpc.insecure_channel(stack.engine_target) as channel:
+        return engine_load(stack.engine_stub(channel)).num_generated_tokens
+
+
 def test_misbehaving_clients_leave_every_other_stream_exact_and_the_engine_empty(faults_stack):
     reference = references(faults_stack.tokenizer_target)
     planned = plan()
+    generated_before = generated_tokens(faults_stack)
     outcomes = asyncio.run(load_with_killed_clients(faults_stack, planned))
     wrong = [(i, stream.kind, problem) for i, (stream, outcome) in enumerate(zip(planned, outcomes))
              if (problem := check(stream, outcome, reference[stream.prompt])) is not None]
@@ -144,3 +153,7 @@ def test_misbehaving_clients_leave_every_other_stream_exact_and_the_engine_empty
     with grpc.insecure_channel(faults_stack.engine_target) as channel:
         load = wait_engine_idle(faults_stack.engine_stub(channel))
     assert (load.num_running, load.num_waiting, load.num_used_blocks) == (0, 0, 0)
+    num_cut = NUM_CANCELLED + NUM_DEADLINE + NUM_CLIENT_PROCESSES * STREAMS_PER_CLIENT
+    allowed = sum(len(outcome.token_ids) for outcome in outcomes) + num_cut * ABORT_SLACK_TOKENS
+    generated = load.num_generated_tokens - generated_before
+    assert generated <= allowed, f"{generated} tokens generated: the cut streams were not aborted"
