@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -77,6 +78,16 @@ def alive(pid: int) -> bool:
 def wait_gone(pids: list[int], timeout_s: float = EXIT_TIMEOUT_S) -> None:
     poll_until(lambda: True if not any(alive(pid) for pid in pids) else None, timeout_s,
                f"processes {pids} to be gone")
+
+
+@contextlib.contextmanager
+def ending(process: ServiceProcess) -> Iterator[ServiceProcess]:
+    """For a test that signals or kills `process`: it is gone when the block ends, even if the test failed
+    half-way, so the next test's `ensure_up` starts a fresh one instead of finding it dying."""
+    try:
+        yield process
+    finally:
+        process.stop()
 
 
 def kill_tree(process: ServiceProcess) -> list[int]:

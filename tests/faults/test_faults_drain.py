@@ -16,7 +16,7 @@ import pytest
 from llmserve.common.v1 import common_pb2
 from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc
 from llmserve.textgen.v1 import textgen_pb2_grpc
-from tests.faults.stack import ENGINE_FRONTS, GRACE_S, NOT_SERVING, greedy_request
+from tests.faults.stack import ENGINE_FRONTS, GRACE_S, ending, NOT_SERVING, greedy_request
 from tests.faults.streams import LENGTH, read_sync, streams_around
 from tests.services.engine_pause import paused
 from tests.services.procs import ENGINE_SERVICE, TEXTGEN_SERVICE, health_status, poll_until
@@ -92,9 +92,11 @@ def test_sigterm_on_the_engine_finishes_streams_refuses_new_ones_and_exits_zero(
             assert_engine_refuses(faults_stack.engine_target)
             assert_draining_health(faults_stack.engine_target, ENGINE_SERVICE)
 
-    outcomes = asyncio.run(streams_around(faults_stack.tokenizer_target, requests(), drain, CALL_TIMEOUT_S, GRACE_S))
-    assert_every_stream_complete(outcomes, reference)
-    assert engine.proc.wait(GRACE_S) == 0, engine.log_tail()
+    with ending(engine):
+        outcomes = asyncio.run(streams_around(faults_stack.tokenizer_target, requests(), drain, CALL_TIMEOUT_S,
+                                              GRACE_S))
+        assert_every_stream_complete(outcomes, reference)
+        assert engine.proc.wait(GRACE_S) == 0, engine.log_tail()
 
 
 def test_sigterm_on_the_tokenizer_service_finishes_streams_refuses_new_ones_and_exits_zero(faults_stack):
@@ -108,6 +110,8 @@ def test_sigterm_on_the_tokenizer_service_finishes_streams_refuses_new_ones_and_
             assert_draining_health(faults_stack.tokenizer_target, TEXTGEN_SERVICE)
             assert_refused(faults_stack.tokenizer_target)
 
-    outcomes = asyncio.run(streams_around(faults_stack.tokenizer_target, requests(), drain, CALL_TIMEOUT_S, GRACE_S))
-    assert_every_stream_complete(outcomes, reference)
-    assert tokenizer.proc.wait(GRACE_S) == 0, tokenizer.log_tail()
+    with ending(tokenizer):
+        outcomes = asyncio.run(streams_around(faults_stack.tokenizer_target, requests(), drain, CALL_TIMEOUT_S,
+                                              GRACE_S))
+        assert_every_stream_complete(outcomes, reference)
+        assert tokenizer.proc.wait(GRACE_S) == 0, tokenizer.log_tail()

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from llmserve.textgen.v1 import textgen_pb2_grpc
-from tests.faults.stack import EXIT_TIMEOUT_S, greedy_request
+from tests.faults.stack import EXIT_TIMEOUT_S, ending, greedy_request
 from tests.faults.streams import LENGTH, read_sync, streams_around
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -50,17 +50,18 @@ def test_engine_killed_under_load_ends_streams_unavailable_and_a_restart_serves_
     tokenizer_pid = faults_stack.tokenizer.proc.pid
     before = generate_one(faults_stack.tokenizer_target)
     kill = kill_core if victim == "core" else kill_service
-    requests = [greedy_request(f"{PROMPT} {i}", LONG_MAX_TOKENS) for i in range(NUM_STREAMS)]
-    outcomes = asyncio.run(streams_around(faults_stack.tokenizer_target, requests, lambda: kill(faults_stack),
-                                          CALL_TIMEOUT_S, ENDED_WITHIN_S))
-    assert [outcome.code for outcome in outcomes] == [grpc.StatusCode.UNAVAILABLE] * NUM_STREAMS, \
-        [(outcome.code.name, outcome.details) for outcome in outcomes]
-    assert all(0 < len(outcome.token_ids) < LONG_MAX_TOKENS for outcome in outcomes)
-    if victim == "core":  # the fronts see their core go and stop the service, non-zero
-        assert faults_stack.engine.proc.wait(EXIT_TIMEOUT_S) != 0, faults_stack.engine.log_tail()
-    with grpc.insecure_channel(faults_stack.tokenizer_target) as channel:
-        down = read_sync(textgen_pb2_grpc.TextGenerationServiceStub(channel), greedy_request(PROMPT, 4), 60)
-    assert down.code == grpc.StatusCode.UNAVAILABLE, down
+    with ending(faults_stack.engine):
+        requests = [greedy_request(f"{PROMPT} {i}", LONG_MAX_TOKENS) for i in range(NUM_STREAMS)]
+        outcomes = asyncio.run(streams_around(faults_stack.tokenizer_target, requests, lambda: kill(faults_stack),
+                                              CALL_TIMEOUT_S, ENDED_WITHIN_S))
+        assert [outcome.code for outcome in outcomes] == [grpc.StatusCode.UNAVAILABLE] * NUM_STREAMS, \
+            [(outcome.code.name, outcome.details) for outcome in outcomes]
+        assert all(0 < len(outcome.token_ids) < LONG_MAX_TOKENS for outcome in outcomes)
+        if victim == "core":  # the fronts see their core go and stop the service, non-zero
+            assert faults_stack.engine.proc.wait(EXIT_TIMEOUT_S) != 0, faults_stack.engine.log_tail()
+        with grpc.insecure_channel(faults_stack.tokenizer_target) as channel:
+            down = read_sync(textgen_pb2_grpc.TextGenerationServiceStub(channel), greedy_request(PROMPT, 4), 60)
+        assert down.code == grpc.StatusCode.UNAVAILABLE, down
 
     faults_stack.ensure_up()  # the engine again, on the same port
     assert faults_stack.tokenizer.proc.pid == tokenizer_pid and faults_stack.tokenizer.proc.poll() is None

@@ -43,8 +43,7 @@ WILD_FLOATS = st.floats(width=32) | EXTREME_FLOATS
 MAX_TOKENS = st.sampled_from([0, 1, 2, 7, 32, MAX_MODEL_LEN, MAX_MODEL_LEN + 1, 2**31, 2**32 - 1])
 TOKEN_IDS = st.lists(st.integers(0, VOCAB_SIZE - 1) | st.sampled_from([VOCAB_SIZE, 2**31, 2**32 - 1]), max_size=40)
 ROLES = st.sampled_from(["system", "user", "assistant", "tool", "", "USER"]) | st.text(max_size=8)
-# A tame request keeps every sampling value in its documented range, often at its edge (so it reaches the engine
-# and streams); a wild one draws each value from anywhere.
+# A tame value is in its documented range, often at its edge; a wild one is anything the wire carries.
 IN_RANGE = {
     "temperature": st.sampled_from([0.0, 1e-45, 0.7, 1.0, 2.0, 3.4e38]), "top_p": st.sampled_from([1e-45, 0.5, 1.0]),
     "min_p": st.sampled_from([0.0, 0.5, 0.999999]), "top_k": st.sampled_from([1, 2, 50, VOCAB_SIZE, 2**32 - 1]),
@@ -53,6 +52,7 @@ IN_RANGE = {
 }
 WILD = {"temperature": WILD_FLOATS, "top_p": WILD_FLOATS, "min_p": WILD_FLOATS, "top_k": U32, "max_tokens": MAX_TOKENS,
         "min_tokens": st.sampled_from([0, 1, 3, 16, 2**32 - 1]), "num_logprobs": st.sampled_from([0, 1, 5, 2**32 - 1])}
+FIELDS = [*WILD, "stop_token_ids", "prompt", "stop"]
 
 
 def optional(strategy):
@@ -60,36 +60,42 @@ def optional(strategy):
 
 
 @st.composite
-def sampling_params(draw, wild: bool) -> common_pb2.SamplingParams:
-    ranges = WILD if wild else IN_RANGE
-    values = {name: draw(optional(strategy)) for name, strategy in ranges.items()}
+def wild_fields(draw) -> set[str]:
+    """Which fields are wild: none (a request that should stream), one (so every single check is reached on its
+    own, not hidden behind another field's refusal), or all."""
+    mode = draw(st.sampled_from(["tame", "one", "one", "all"]))
+    return set() if mode == "tame" else set(FIELDS) if mode == "all" else {draw(st.sampled_from(FIELDS))}
+
+
+@st.composite
+def sampling_params(draw, wild: set[str]) -> common_pb2.SamplingParams:
+    values = {name: draw(WILD[name] if name in wild else optional(IN_RANGE[name])) for name in WILD}
     values.update(seed=draw(optional(st.integers(0, 2**64 - 1))), ignore_eos=draw(optional(st.booleans())))
     sampling = common_pb2.SamplingParams(**{name: value for name, value in values.items() if value is not None})
-    stop_ids = (st.integers(0, VOCAB_SIZE - 1) | U32) if wild else st.integers(0, VOCAB_SIZE - 1)
+    stop_ids = (st.integers(0, VOCAB_SIZE - 1) | U32) if "stop_token_ids" in wild else st.integers(0, VOCAB_SIZE - 1)
     sampling.stop_token_ids.extend(draw(st.lists(stop_ids, max_size=3)))
     return sampling
 
 
 @st.composite
 def generate_requests(draw) -> textgen_pb2.GenerateRequest:
-    """Half tame (every field in its documented range, at its edges), half wild (anything the wire carries)."""
-    wild = draw(st.booleans())
-    request = textgen_pb2.GenerateRequest(request_id=draw(st.text(max_size=40)),
-                                          sampling=draw(sampling_params(wild)))
-    prompt = draw(st.sampled_from(["text", "text", "chat", "token_ids"] + (["none"] if wild else [])))
-    min_size = 0 if wild else 1
+    wild = draw(wild_fields())
+    request = textgen_pb2.GenerateRequest(request_id=draw(st.text(max_size=40)), sampling=draw(sampling_params(wild)))
+    wild_prompt = "prompt" in wild
+    prompt = draw(st.sampled_from(["text", "text", "chat", "token_ids"] + (["none"] if wild_prompt else [])))
+    min_size = 0 if wild_prompt else 1
     if prompt == "text":
         request.text = draw(st.text(min_size=min_size, max_size=160))
     elif prompt == "chat":
-        roles = ROLES if wild else st.sampled_from(["system", "user", "assistant"])
+        roles = ROLES if wild_prompt else st.sampled_from(["system", "user", "assistant"])
         messages = draw(st.lists(st.tuples(roles, st.text(max_size=60)), min_size=min_size, max_size=3))
         request.chat.SetInParent()  # an empty conversation is still a chat prompt
         request.chat.messages.extend(textgen_pb2.ChatMessage(role=role, content=content) for role, content in messages)
     elif prompt == "token_ids":
         request.token_ids.SetInParent()
-        ids = TOKEN_IDS if wild else st.lists(st.integers(0, VOCAB_SIZE - 1), min_size=1, max_size=40)
+        ids = TOKEN_IDS if wild_prompt else st.lists(st.integers(0, VOCAB_SIZE - 1), min_size=1, max_size=40)
         request.token_ids.ids.extend(draw(ids))
-    request.stop.extend(draw(st.lists(st.text(min_size=min_size, max_size=6), max_size=3)))
+    request.stop.extend(draw(st.lists(st.text(min_size=0 if "stop" in wild else 1, max_size=6), max_size=3)))
     for name in ("skip_special_tokens", "include_stop_str_in_output"):
         if (value := draw(optional(st.booleans()))) is not None:
             setattr(request, name, value)
