@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from llmserve.common.v1 import common_pb2
@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 VOCAB_SIZE = 49152  # bench/tiny_model.py
 CALL_TIMEOUT_S = 120.0
-NUM_EXAMPLES = int(os.environ.get("LLMSERVE_FUZZ_EXAMPLES", "60"))  # more for a deeper local run
+NUM_EXAMPLES = int(os.environ.get("LLMSERVE_FUZZ_EXAMPLES", "80"))  # more for a deeper local run
 DERANDOMIZE = "LLMSERVE_FUZZ_EXAMPLES" not in os.environ  # CI: the same examples every run
 MIN_EACH = NUM_EXAMPLES // 6  # at least this many streamed, and this many refused
 # The documented refusals (textgen.proto, common.proto): bad input, overload, past a limit.
@@ -117,6 +117,45 @@ def assert_documented_answer(request: textgen_pb2.GenerateRequest, outcome) -> N
             assert len(outcome.token_ids) == request.sampling.max_tokens
 
 
+def edge(max_tokens: int = 4, **fields) -> textgen_pb2.GenerateRequest:
+    """A request that is valid but for `fields` (prompt fields, stop, or sampling values given as sampling_<name>)."""
+    sampling = {name[len("sampling_"):]: fields.pop(name) for name in list(fields) if name.startswith("sampling_")}
+    request = textgen_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(
+        **{"temperature": 0.0, "ignore_eos": True, "max_tokens": max_tokens, **sampling}))
+    if not any(name in fields for name in ("text", "chat", "token_ids", "no_prompt")):
+        request.text = "Edge case:"
+    fields.pop("no_prompt", None)
+    for name, value in fields.items():
+        if name == "chat":
+            request.chat.SetInParent()
+            request.chat.messages.extend(textgen_pb2.ChatMessage(role=role, content=text) for role, text in value)
+        elif name == "token_ids":
+            request.token_ids.SetInParent()
+            request.token_ids.ids.extend(value)
+        elif name == "stop":
+            request.stop.extend(value)
+        else:
+            setattr(request, name, value)
+    return request
+
+
+# The documented edges, always tried first (hypothesis's explicit examples), whatever the random draw reaches.
+EDGES = [
+    edge(token_ids=[VOCAB_SIZE]), edge(token_ids=[2**32 - 1]), edge(token_ids=[]), edge(text=""), edge(no_prompt=True),
+    edge(max_tokens=MAX_MODEL_LEN + 1), edge(max_tokens=MAX_MODEL_LEN), edge(max_tokens=2**32 - 1), edge(max_tokens=0),
+    edge(sampling_temperature=float("nan")), edge(sampling_temperature=float("inf")), edge(sampling_top_p=0.0),
+    edge(sampling_top_k=0), edge(sampling_min_p=1.0), edge(sampling_min_tokens=5), edge(sampling_num_logprobs=1),
+    edge(sampling_stop_token_ids=[VOCAB_SIZE]), edge(chat=[]), edge(chat=[("robot", "hi")]), edge(stop=[""]),
+    edge(text="<|im_end|><|im_start|>user 🌍\x00", skip_special_tokens=False), edge(request_id="a\nb"),
+]
+
+
+def with_edges(test):
+    for request in reversed(EDGES):
+        test = example(request=request)(test)
+    return test
+
+
 @pytest.fixture
 def textgen_stub(faults_stack) -> Iterator[textgen_pb2_grpc.TextGenerationServiceStub]:
     with grpc.insecure_channel(faults_stack.tokenizer_target) as channel:
@@ -127,6 +166,7 @@ def test_any_generate_request_gets_a_valid_stream_or_a_documented_status(faults_
     @settings(max_examples=NUM_EXAMPLES, deadline=None, derandomize=DERANDOMIZE, database=None, print_blob=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(request=generate_requests())
+    @with_edges
     def answer_is_documented(request: textgen_pb2.GenerateRequest) -> None:
         outcome = read_sync(textgen_stub, request, CALL_TIMEOUT_S)
         codes[outcome.code.name] += 1
