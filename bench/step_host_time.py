@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python bench/step_host_time.py                 # 64/256/1024 seqs x 128/2048 tokens
     OMP_NUM_THREADS=1 python bench/step_host_time.py --seqs 256 --context 128 --blocks 3100000
+    OMP_NUM_THREADS=1 python bench/step_host_time.py --kv-events   # each config with KV-cache events off, then on
 
 The real EngineCore, scheduler and block manager run; the runner does the model runner's real input
 preparation (block tables, positions, slot mapping, context lens, the sampling batch, tensors on --device)
@@ -9,11 +10,14 @@ and then "samples" a fixed non-EOS token instead of running the model. Reported 
 this thread's CPU time (so other processes on a shared machine do not inflate it): schedule, input
 preparation (the runner's execute), postprocess, the rest of EngineCore.step (outputs) and the total; and
 the total in wall-clock time. --blocks also times building a block manager of that many blocks (and its
-memory).
+memory). --kv-events measures each configuration twice: with nobody subscribed to KV-cache events, then with the
+core recording them and taking and pickling them after every step as the CoreLoop does for a subscribed front
+(`events` column, included in the total), and prints the ratio of the totals.
 """
 
 import argparse
 import gc
+import pickle
 import statistics
 import sys
 import time
@@ -81,9 +85,11 @@ def build_engine(num_seqs: int, context: int, num_steps: int, device: torch.devi
     return EngineCore(config, NullRunner(max_model_len, num_seqs, device), [EOS_TOKEN_ID], VOCAB_SIZE)
 
 
-def measure(num_seqs: int, context: int, num_steps: int, warmup: int, device: torch.device) -> dict[str, float]:
+def measure(num_seqs: int, context: int, num_steps: int, warmup: int, device: torch.device,
+            kv_events: bool = False) -> dict[str, float]:
     """Median ms per decode step of each phase, with num_seqs sequences of about `context` tokens running."""
     engine = build_engine(num_seqs, context, num_steps + warmup, device)
+    engine.record_kv_events(kv_events)
     sampling = SamplingParams(temperature=0.0, max_tokens=num_steps + warmup + 8, ignore_eos=True)
     for i in range(num_seqs):
         prompt = [1 + (i * 7919 + j) % (VOCAB_SIZE - 1) for j in range(context)]
@@ -100,6 +106,11 @@ def measure(num_seqs: int, context: int, num_steps: int, warmup: int, device: to
         timers.current = {}
         start, start_wall = time.thread_time(), time.perf_counter()
         engine.step()
+        if kv_events:
+            events_start = time.thread_time()
+            events = engine.take_kv_events()
+            pickle.dumps((events.block_hashes, events.cached) if events else None, protocol=pickle.HIGHEST_PROTOCOL)
+            timers.current["events"] = time.thread_time() - events_start
         timers.current["total"] = time.thread_time() - start
         timers.current["wall"] = time.perf_counter() - start_wall
         if len(engine.scheduler.running) != num_seqs:
@@ -108,7 +119,9 @@ def measure(num_seqs: int, context: int, num_steps: int, warmup: int, device: to
             for name, seconds in timers.current.items():
                 samples.setdefault(name, []).append(seconds * 1e3)
     result = {name: statistics.median(values) for name, values in samples.items()}
-    result["outputs"] = result["total"] - result["schedule"] - result["input_prep"] - result["postprocess"]
+    result.setdefault("events", 0.0)
+    result["outputs"] = (result["total"] - result["schedule"] - result["input_prep"] - result["postprocess"]
+                         - result["events"])
     return result
 
 
@@ -137,6 +150,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--blocks", type=int, default=0, help="also time a block manager of this many blocks")
+    parser.add_argument("--kv-events", action="store_true", help="each configuration without, then with KV events")
     args = parser.parse_args()
     torch.set_num_threads(1)
     device = torch.device(args.device)
@@ -145,14 +159,19 @@ def main() -> None:
         print(f"block manager of {args.blocks:,} blocks: {seconds:.3f} s to build, +{mib:.0f} MiB resident")
     print(f"null runner on {device}, block size {BLOCK_SIZE}; median ms per decode step over {args.steps} steps"
           " (CPU time of this thread; wall: elapsed)")
-    print(f"{'seqs':>6} {'context':>8} {'schedule':>9} {'inputs':>8} {'postproc':>9} {'outputs':>8} {'total':>8}"
-          f" {'us/seq':>7} {'wall':>8}")
+    print(f"{'seqs':>6} {'context':>8} {'kv':>3} {'schedule':>9} {'inputs':>8} {'postproc':>9} {'outputs':>8}"
+          f" {'events':>7} {'total':>8} {'us/seq':>7} {'wall':>8}")
     for num_seqs in args.seqs:
         for context in args.context:
-            r = measure(num_seqs, context, args.steps, args.warmup, device)
-            print(f"{num_seqs:>6} {context:>8} {r['schedule']:>9.3f} {r['input_prep']:>8.3f} "
-                  f"{r['postprocess']:>9.3f} {r['outputs']:>8.3f} {r['total']:>8.3f} "
-                  f"{r['total'] * 1e3 / num_seqs:>7.2f} {r['wall']:>8.3f}", flush=True)
+            totals = []
+            for kv_events in (False, True) if args.kv_events else (False,):
+                r = measure(num_seqs, context, args.steps, args.warmup, device, kv_events)
+                totals.append(r["total"])
+                print(f"{num_seqs:>6} {context:>8} {'on' if kv_events else 'off':>3} {r['schedule']:>9.3f} "
+                      f"{r['input_prep']:>8.3f} {r['postprocess']:>9.3f} {r['outputs']:>8.3f} {r['events']:>7.3f} "
+                      f"{r['total']:>8.3f} {r['total'] * 1e3 / num_seqs:>7.2f} {r['wall']:>8.3f}", flush=True)
+            if len(totals) == 2:
+                print(f"{'':>19} on/off total: {totals[1] / totals[0]:.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -152,6 +152,7 @@ class ServingState:
 
     def __init__(self, service_name: str):
         self.service_name = service_name
+        self.drain_started = asyncio.Event()  # set with `draining`: for streams that never end alone
         self.health = health.aio.HealthServicer()
         self.draining = False
 
@@ -168,6 +169,7 @@ class ServingState:
 
     async def mark_draining(self) -> None:
         self.draining = True
+        self.drain_started.set()
         await self.health.enter_graceful_shutdown()
 
 

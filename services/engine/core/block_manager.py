@@ -6,9 +6,13 @@ Freed blocks keep their hash and wait in an LRU free queue: a hit revives one un
 
 Per-block state lives in flat lists and arrays indexed by block id (no object per block), so a manager of
 millions of blocks is built in milliseconds: building costs a few zero-filled buffers, not a loop.
+
+Cache events (for SubscribeKvEvents): while recording is on, a hash is reported stored when it enters
+`hash_to_block_id` and removed when it leaves it, so a subscriber's set always equals that map's keys.
 """
 
 from array import array
+from dataclasses import dataclass
 
 from services.common.block_hash import block_key, hash_block_key
 from services.engine.core.sequence import Sequence
@@ -77,6 +81,36 @@ class _FreeQueue:
         return block_ids
 
 
+@dataclass(slots=True)
+class KvCacheEvents:
+    """How the set of cached block hashes changed since the previous drain: each hash once, at its last change.
+
+    `block_hashes[i]` is in the cache now if `cached[i]` is 1 (stored), out of it if 0 (removed): a hash stored
+    then evicted within one drain is reported removed only, one evicted then stored again stored only. Bytes,
+    not lists of ints: the changes cross a process boundary every step, and bytes pickle at memcpy speed.
+    """
+
+    block_hashes: bytes  # uint64 [N], native byte order (array("Q"))
+    cached: bytes  # uint8 [N], 1 or 0
+
+    def __bool__(self) -> bool:
+        return bool(self.cached)
+
+    def changes(self) -> dict[int, int]:
+        """Hash -> 1 (stored) or 0 (removed)."""
+        hashes = array("Q")
+        hashes.frombytes(self.block_hashes)
+        return dict(zip(hashes, self.cached))
+
+    @property
+    def stored_block_hashes(self) -> list[int]:
+        return [block_hash for block_hash, cached in self.changes().items() if cached]
+
+    @property
+    def removed_block_hashes(self) -> list[int]:
+        return [block_hash for block_hash, cached in self.changes().items() if not cached]
+
+
 class BlockManager:
     """Hands out KV blocks to sequences and finds cached prefixes.
 
@@ -97,6 +131,7 @@ class BlockManager:
         self.block_keys: list[bytes | None] = [None] * num_blocks
         self.hash_to_block_id: dict[int, int] = {}
         self._free = _FreeQueue(num_blocks)
+        self._events: dict[int, bool] | None = None  # hash -> in the cache after its last change; None: not recording
 
     @property
     def num_total_blocks(self) -> int:
@@ -113,6 +148,25 @@ class BlockManager:
     def free_block_ids(self) -> list[int]:
         """The free queue, head (next to be reused) first. O(num free blocks): for inspection only."""
         return self._free.ordered()
+
+    def record_events(self, enabled: bool) -> None:
+        """Start (from now on) or stop recording cache events; stopping drops the undrained ones."""
+        if not enabled:
+            self._events = None
+        elif self._events is None:
+            self._events = {}
+
+    def take_events(self) -> KvCacheEvents | None:
+        """The events recorded since the last call (None when not recording)."""
+        events = self._events
+        if events is None:
+            return None
+        self._events = {}
+        return KvCacheEvents(array("Q", events).tobytes(), bytes(events.values()))
+
+    def cached_block_hashes(self) -> array:
+        """Every hash in the prefix cache now (a subscriber's snapshot): uint64 [num cached]."""
+        return array("Q", self.hash_to_block_id)
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Ids of the cached blocks that `seq` could reuse now (its last token is never among them).
@@ -189,12 +243,17 @@ class BlockManager:
         first = seq.num_cached_tokens // block_size
         end = (seq.num_cached_tokens + seq.num_scheduled_tokens) // block_size
         self._extend_hash_chain(seq, end)
+        hash_to_block_id, events = self.hash_to_block_id, self._events
         for index in range(first, end):
             block_id = seq.block_table[index]
             block_hash = seq.block_hashes[index]
             self.block_hashes[block_id] = block_hash
             self.block_keys[block_id] = seq.block_keys[index]
-            self.hash_to_block_id[block_hash] = block_id
+            # NOTE: a recomputed block may carry a hash already mapped to another block: the map moves to this
+            # block and the hash stays cached (no event); the older block keeps its hash but no map entry.
+            if events is not None and block_hash not in hash_to_block_id:
+                events[block_hash] = True
+            hash_to_block_id[block_hash] = block_id
 
     def _extend_hash_chain(self, seq: Sequence, num_blocks: int) -> None:
         """Hash `seq`'s leading full blocks up to `num_blocks`, each once per sequence (kept on it)."""
@@ -210,8 +269,10 @@ class BlockManager:
         block_id = self._free.pop_head()
         block_hash = self.block_hashes[block_id]
         if block_hash is not None:
-            if self.hash_to_block_id.get(block_hash) == block_id:
+            if self.hash_to_block_id.get(block_hash) == block_id:  # else the hash lives on in another block
                 del self.hash_to_block_id[block_hash]
+                if self._events is not None:
+                    self._events[block_hash] = False
             self.block_hashes[block_id] = None
             self.block_keys[block_id] = None
         self.ref_counts[block_id] = 1

@@ -6,9 +6,11 @@ No threads here: the server (or the offline LLM) calls `step()` from one thread 
 
 import itertools
 import time
+from array import array
 from collections.abc import Collection
 
 from services.engine.core.config import SchedulerConfig
+from services.engine.core.block_manager import KvCacheEvents
 from services.engine.core.errors import DuplicateRequestError, QueueFullError
 from services.engine.core.interfaces import EngineStats, ModelRunner, RequestOutput
 from services.engine.core.request_validator import RequestValidator
@@ -99,6 +101,22 @@ class EngineCore:
                     del self._live[seq.request_id]
                 outputs.append(_output_of(seq, [seq.last_token_id]))
         return outputs
+
+    def record_kv_events(self, enabled: bool) -> None:
+        """Record the prefix cache's changes from now on (for take_kv_events), or stop; off by default (free)."""
+        self.scheduler.block_manager.record_events(enabled)
+
+    def take_kv_events(self) -> KvCacheEvents | None:
+        """The prefix cache's changes since the last call, None when not recording.
+
+        NOTE: only step() changes the cache (abort frees blocks but keeps their hashes), so taken after each
+        step, these are exactly that step's changes, and a snapshot taken between steps misses nothing.
+        """
+        return self.scheduler.block_manager.take_events()
+
+    def cached_block_hashes(self) -> array:
+        """Every block hash in the prefix cache now: uint64 [num cached]."""
+        return self.scheduler.block_manager.cached_block_hashes()
 
     def has_unfinished_requests(self) -> bool:
         """True while any request runs, waits, or still owes its final (aborted) output."""

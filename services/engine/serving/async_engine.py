@@ -4,7 +4,8 @@ Commands go out through a writer thread (a send may block while the core is mid-
 never does). Outputs come in on the event loop itself (`add_reader` on the connection): each step's
 message is one wake-up that appends every token to its stream's pending list and wakes that stream's
 reader if it sleeps. A reader takes everything pending at once, so a client that reads slower than the
-engine steps gets several tokens per message instead of falling further behind. No torch or grpc here.
+engine steps gets several tokens per message instead of falling further behind. KV-cache event subscribers
+(`kv_events`) are fed the same way, by services.engine.serving.kv_subscribers. No torch or grpc here.
 """
 
 import asyncio
@@ -19,12 +20,14 @@ from services.common.errors import DuplicateRequestError, UnavailableError
 from services.engine.core.interfaces import EngineStats, RequestOutput
 from services.engine.core.sampling_params import SamplingParams
 from services.engine.core.sequence import FinishReason
+from services.engine.serving.kv_subscribers import KvEventBatch, KvSubscribers
 from services.engine.serving.messages import (
-    NO_TOKEN, AbortAnswer, AbortQuery, AbortRequests, AddRejected, AddRequest, EngineReady, StepOutputs, decode,
-    encode)
+    NO_TOKEN, AbortAnswer, AbortQuery, AbortRequests, AddRejected, AddRequest, EngineReady, KvEventsSnapshot,
+    KvEventsSubscribe, KvEventsUnsubscribe, StepOutputs, decode, encode)
 
 logger = logging.getLogger(__name__)
 _STOP_WRITER = object()
+MIN_KV_PENDING = 4096  # a KV-event subscriber may fall this many changes behind, or the cache's size if larger
 
 
 class _Stream:
@@ -92,6 +95,8 @@ class AsyncEngine:
         self._stats = EngineStats(0, 0, 0, description.num_total_blocks, description.num_total_blocks, 0, 0, 0, 0)
         self._num_finished_in_core = 0
         self._aborting: set[int] = set()  # handles whose abort this front sent and the core has not yet reported
+        self._kv_subscribers = KvSubscribers(max(description.num_total_blocks, MIN_KV_PENDING))
+        self._next_subscriber = itertools.count()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_commands, name="engine-core-writer", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -196,6 +201,29 @@ class AsyncEngine:
         finally:
             self._queries.pop(query_id, None)
 
+    async def kv_events(self) -> AsyncIterator[KvEventBatch]:
+        """Yield the prefix cache's contents (a snapshot, first), then its changes, each batch all that is pending.
+
+        Ends with UnavailableError when the core dies or end_kv_events is called, with SubscriberLagError
+        (RESOURCE_EXHAUSTED) when this reader falls too far behind (services.engine.serving.kv_subscribers).
+        """
+        if self._stopped or self.core_lost:
+            raise UnavailableError("engine is not available")
+        subscriber_id = next(self._next_subscriber)
+        subscriber = self._kv_subscribers.add(subscriber_id)
+        self._commands.put(KvEventsSubscribe(subscriber_id))
+        try:
+            while True:
+                yield await self._kv_subscribers.next_batch(subscriber, self._loop)
+        finally:
+            self._kv_subscribers.remove(subscriber_id)
+            if not self.core_lost:
+                self._commands.put(KvEventsUnsubscribe(subscriber_id))
+
+    def end_kv_events(self, error: BaseException) -> None:
+        """End every KV-event subscription of this front with `error` (on drain: they would never end alone)."""
+        self._kv_subscribers.fail_all(error)
+
     # ---- the core's messages, on the event loop ----
 
     def _on_readable(self) -> None:
@@ -217,10 +245,14 @@ class AsyncEngine:
             answer = self._queries.get(message.query_id)
             if answer is not None and not answer.done():
                 answer.set_result(message.aborted_request_ids)
+        elif isinstance(message, KvEventsSnapshot):
+            self._kv_subscribers.on_snapshot(message)
 
     def _deliver_step(self, message: StepOutputs) -> None:
         self._stats = message.stats
         self._num_finished_in_core = message.num_finished_requests
+        if self._kv_subscribers:
+            self._kv_subscribers.on_step(message)
         streams, interval = self._streams, self._stream_interval
         for handle, token_id, num_cached in zip(message.handles, message.token_ids, message.num_cached_tokens):
             stream = streams.get(handle)
@@ -251,6 +283,7 @@ class AsyncEngine:
         for answer in self._queries.values():
             if not answer.done():
                 answer.set_exception(error)
+        self._kv_subscribers.fail_all(error)
         if self._on_core_lost is not None:
             self._on_core_lost()
 

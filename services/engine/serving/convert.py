@@ -8,6 +8,7 @@ from services.common.validation import check_wire_sampling
 from services.engine.core.interfaces import EngineStats, RequestOutput
 from services.engine.core.sampling_params import SamplingParams
 from services.engine.core.sequence import FinishReason
+from services.engine.serving.kv_subscribers import KvEventBatch
 
 _FINISH_REASONS = {
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
@@ -53,6 +54,13 @@ def response_from_output(output: RequestOutput, timing: RequestClock) -> engine_
         if output.matched_stop_token_id is not None:
             response.matched_stop_token_id = output.matched_stop_token_id
     return response
+
+
+def kv_events_response(batch: KvEventBatch, block_size: int,
+                       load: engine_pb2.LoadReport) -> engine_pb2.SubscribeKvEventsResponse:
+    return engine_pb2.SubscribeKvEventsResponse(
+        snapshot=batch.snapshot, stored_block_hashes=batch.stored_block_hashes,
+        removed_block_hashes=batch.removed_block_hashes, block_size=block_size, load=load)
 
 
 def load_report(stats: EngineStats, num_finished_requests: int, draining: bool) -> engine_pb2.LoadReport:

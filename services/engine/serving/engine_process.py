@@ -20,7 +20,7 @@ from services.engine.core.engine import EngineCore
 from services.engine.core.interfaces import RequestOutput
 from services.engine.serving.messages import (
     NO_TOKEN, AbortAnswer, AbortQuery, AbortRequests, AddRejected, AddRequest, EngineReady, FinishedRequest,
-    StepOutputs, decode, encode)
+    KvEventsSnapshot, KvEventsSubscribe, KvEventsUnsubscribe, StepOutputs, decode, encode)
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_S = 1.0  # while idle, how often the loop looks up from its connections (to notice a dead parent)
@@ -60,6 +60,9 @@ class CoreLoop:
 
     Runs in the engine-core process (`run_engine_core`), or on a thread in tests (with a fake runner).
     Ends when every front has hung up or asked nothing more for good (its connection closed).
+
+    KV-cache events: the core records them only while some front has a subscriber; a KvEventsSubscribe is
+    answered between steps with a snapshot, and each later step's changes ride on that front's StepOutputs.
     """
 
     def __init__(self, core: EngineCore, connections: list, description: EngineDescription):
@@ -70,6 +73,7 @@ class CoreLoop:
         self._open = set(range(len(self.connections)))
         self._num_finished_requests = 0
         self._last_stats_sent = [0.0] * len(self.connections)
+        self._kv_subscriber_ids: list[set[int]] = [set() for _ in self.connections]  # per front
 
     def run(self) -> None:
         ready = encode(EngineReady(self.description))
@@ -103,6 +107,13 @@ class CoreLoop:
         elif isinstance(command, AbortQuery):
             aborted = [request_id for request_id in command.request_ids if self._abort(request_id)]
             self._send(front, encode(AbortAnswer(command.query_id, aborted)))
+        elif isinstance(command, KvEventsSubscribe):
+            self._kv_subscriber_ids[front].add(command.subscriber_id)
+            self.core.record_kv_events(True)
+            self._send(front, encode(KvEventsSnapshot(command.subscriber_id, self.core.cached_block_hashes())))
+        elif isinstance(command, KvEventsUnsubscribe):
+            self._kv_subscriber_ids[front].discard(command.subscriber_id)
+            self._record_kv_events_while_subscribed()
 
     def _add(self, front: int, command: AddRequest) -> None:
         try:
@@ -125,6 +136,12 @@ class CoreLoop:
         for request_id, (owner, _) in list(self._routes.items()):
             if owner == front:
                 self.core.abort_request(request_id)
+        self._kv_subscriber_ids[front].clear()
+        self._record_kv_events_while_subscribed()
+
+    def _record_kv_events_while_subscribed(self) -> None:
+        if not any(self._kv_subscriber_ids):
+            self.core.record_kv_events(False)
 
     # ---- outputs out ----
 
@@ -149,16 +166,19 @@ class CoreLoop:
                                                 output.num_completion_tokens, output.num_cached_tokens,
                                                 output.matched_stop_token_id))
         stats = self.core.stats()
+        events = self.core.take_kv_events()  # None unless a front subscribes
+        kv_events = (events.block_hashes, events.cached) if events else None
         now = time.monotonic()
         idle = not self.core.has_unfinished_requests()
         for front in list(self._open):
             batch = per_front.get(front)
+            front_kv_events = kv_events if kv_events is not None and self._kv_subscriber_ids[front] else None
             if batch is None:
-                if not idle and now - self._last_stats_sent[front] < STATS_ONLY_INTERVAL_S:
+                if front_kv_events is None and not idle and now - self._last_stats_sent[front] < STATS_ONLY_INTERVAL_S:
                     continue
                 batch = (array("q"), array("q"), array("q"), [])
             self._last_stats_sent[front] = now
-            self._send(front, encode(StepOutputs(*batch, stats, self._num_finished_requests)))
+            self._send(front, encode(StepOutputs(*batch, stats, self._num_finished_requests, front_kv_events)))
 
     def _send(self, front: int, data: bytes) -> None:
         try:

@@ -9,9 +9,12 @@ Measured with bench/ipc_transport.py on the shared 2-core machine: a 256-output 
 transport; the ratio between them swung from 0.75 to 1.46 across runs: no difference worth a dependency.
 
 Flow, named after the pipeline:
-- front -> core: a list of commands per message: `AddRequest`, `AbortRequests`, `AbortQuery`.
+- front -> core: a list of commands per message: `AddRequest`, `AbortRequests`, `AbortQuery`,
+  `KvEventsSubscribe`, `KvEventsUnsubscribe`.
 - core -> front: `EngineReady` once, then `StepOutputs` per step (only this front's requests, stats always),
-  `AddRejected` when the core refuses a request, `AbortAnswer` for an `AbortQuery`.
+  `AddRejected` when the core refuses a request, `AbortAnswer` for an `AbortQuery`, `KvEventsSnapshot` for a
+  `KvEventsSubscribe`; while the front has a subscriber, each step's prefix-cache changes ride on its
+  StepOutputs (a step that changed the cache is always sent), after the snapshot on the same connection.
 
 Requests are named on the wire by a per-front integer handle, not by their id string: a step's outputs
 are three arrays (handle, token id, cached prompt tokens), plus one tuple per finished request.
@@ -86,6 +89,9 @@ class StepOutputs:
     finished: list[FinishedRequest]
     stats: EngineStats
     num_finished_requests: int  # cumulative, over every front
+    # This step's prefix-cache changes while the front has a subscriber: a KvCacheEvents's (block_hashes, cached),
+    # as a plain tuple (pickling a class costs more than its bytes).
+    kv_events: tuple[bytes, bytes] | None = None
 
 
 @dataclass(slots=True)
@@ -102,6 +108,28 @@ class AbortAnswer:
 
     query_id: int
     aborted_request_ids: list[str]
+
+
+@dataclass(slots=True)
+class KvEventsSubscribe:
+    """Answer with a KvEventsSnapshot for this subscriber, and send this front every step's cache changes."""
+
+    subscriber_id: int
+
+
+@dataclass(slots=True)
+class KvEventsUnsubscribe:
+    """This subscriber is gone; the core stops recording cache changes once no front has any."""
+
+    subscriber_id: int
+
+
+@dataclass(slots=True)
+class KvEventsSnapshot:
+    """Every block hash cached when a KvEventsSubscribe was applied; later StepOutputs carry the changes."""
+
+    subscriber_id: int
+    block_hashes: array  # uint64 [num cached]
 
 
 def encode(message) -> bytes:

@@ -1,5 +1,6 @@
 """grpc.aio adapter of the engine service: protobuf in, core calls, protobuf out. No model code here."""
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -11,7 +12,7 @@ from services.common.errors import InvalidRequestError, UnavailableError
 from services.common.grpc_server import ServingState, request_id_var
 from services.engine.serving.async_engine import AsyncEngine
 from services.engine.serving.convert import (
-    RequestClock, load_report, response_from_output, sampling_from_proto)
+    RequestClock, kv_events_response, load_report, response_from_output, sampling_from_proto)
 from services.engine.core.request_validator import RequestValidator
 from services.engine.core.sampling_params import SamplingParams
 
@@ -21,6 +22,8 @@ SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     """Streams sampled token ids per engine step; cancellation aborts the sequence within one step."""
+
+    _drain_watch: asyncio.Task | None = None  # ends KV-event subscriptions when the drain starts
 
     def __init__(self, engine: AsyncEngine, info: engine_pb2.GetEngineInfoResponse, state: ServingState,
                  validator: RequestValidator):
@@ -68,6 +71,25 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     async def GetLoad(self, request, context) -> engine_pb2.LoadReport:
         return load_report(self.engine.stats(), self.engine.num_finished_requests, self.state.draining)
+
+    async def SubscribeKvEvents(self, request, context):
+        """A snapshot of this engine's prefix cache, then its changes, each message with the load; ends
+        UNAVAILABLE when the core dies or the service drains, RESOURCE_EXHAUSTED when the caller lags."""
+        if self.state.draining:
+            raise UnavailableError("engine is draining")
+        if self._drain_watch is None:
+            self._drain_watch = asyncio.ensure_future(self._end_kv_events_on_drain())
+        block_size = self.info.block_size
+        stream = self.engine.kv_events()
+        async with contextlib.aclosing(stream):
+            async for batch in stream:
+                load = load_report(self.engine.stats(), self.engine.num_finished_requests, self.state.draining)
+                yield kv_events_response(batch, block_size, load)
+
+    async def _end_kv_events_on_drain(self) -> None:
+        """Subscriptions never end alone: end them when the drain starts, so they do not hold up its grace."""
+        await self.state.drain_started.wait()
+        self.engine.end_kv_events(UnavailableError("engine is draining"))
 
 
 def engine_info(description) -> engine_pb2.GetEngineInfoResponse:

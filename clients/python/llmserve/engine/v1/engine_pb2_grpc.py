@@ -106,7 +106,9 @@ class EngineServiceServicer:
         """Streams the changes of the engine's prefix cache, for prefix-cache-aware
         routing: the first message is a snapshot of every cached block, each
         later one what a step stored and evicted. The stream runs until the
-        caller cancels it or the engine stops (then UNAVAILABLE).
+        caller cancels it or the engine stops or drains (then UNAVAILABLE). A
+        subscriber that falls further behind than the cache has blocks gets
+        RESOURCE_EXHAUSTED and should subscribe again (a fresh snapshot).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
