@@ -24,6 +24,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import socket
 import sys
 import tempfile
 import threading
@@ -161,6 +162,8 @@ class OfflineProcess:
 
 def start_services(args, label: str, extra: tuple[list[str], list[str]], started: list[Service]) -> tuple:
     """(engine, its target, tokenizer, its target), each SERVING; appends each to `started` as it starts."""
+    if args.metrics:  # what serving /metrics (and recording every request into it) costs
+        extra = ([*extra[0], "--metrics-port", str(free_port())], [*extra[1], "--metrics-port", str(free_port())])
     engine = Service("engine", [*engine_argv(engine_args_from(args)), *extra[0]], THREADS)
     started.append(engine)
     engine_target = engine.wait_ready(ENGINE_SERVICE)
@@ -217,6 +220,12 @@ def run_config(args, label: str, extra: tuple[list[str], list[str]], workload, p
             service.stop()
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def worker_configs(args) -> list[tuple[str, tuple[list[str], list[str]]]]:
     """(label, (extra engine flags, extra tokenizer flags)) per configuration to measure."""
     interval = ["--stream-interval", str(args.stream_interval)] if args.stream_interval is not None else []
@@ -256,6 +265,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--ttft-streams", type=int, default=64, help="streams of the load beside the TTFT probe (0: skip)")
     add("--ttft-probe", type=int, default=16, metavar="PAIRS", help="paired unloaded TTFT probe (0: skip)")
     add("--json", default=None, metavar="PATH", help="also write the report as JSON")
+    add("--metrics", action="store_true", help="run both services with --metrics-port (free ports)")
     add("--quick", action="store_true", help="smoke run: 16 streams, 32 short requests")
     add_engine_args(parser)
     parser.set_defaults(num_kvcache_blocks=8192)

@@ -139,11 +139,22 @@ def test_deployment_selects_its_own_pods_only(objects, component):
 def test_probes_are_grpc_health_checks_on_the_serving_port(objects, component):
     spec = container(objects, component)
     port = parsed_args(objects, component).port
-    assert [p["containerPort"] for p in spec["ports"]] == [port]
+    assert [p["containerPort"] for p in spec["ports"] if p["name"] == "grpc"] == [port]
     expected = {"startupProbe": "", "livenessProbe": "", "readinessProbe": HEALTH_NAMES[component]}
     for probe, service in expected.items():
         assert set(spec[probe]) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, probe
         assert spec[probe]["grpc"] == {"port": port, "service": service}, probe
+
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_metrics_are_served_declared_and_annotated_for_scraping(objects, component):
+    metrics_port = parsed_args(objects, component).metrics_port
+    assert metrics_port > 0
+    assert [p["containerPort"] for p in container(objects, component)["ports"] if p["name"] == "metrics"] == [
+        metrics_port]
+    annotations = deployment(objects, component)["spec"]["template"]["metadata"]["annotations"]
+    assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": str(metrics_port),
+                           "prometheus.io/path": "/metrics"}
 
 
 @pytest.mark.parametrize("component", COMPONENTS)

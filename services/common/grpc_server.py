@@ -21,6 +21,7 @@ from services.common.errors import (
     UnavailableError,
     UpstreamStatusError,
 )
+from services.common import logs
 from services.common.reuseport import WorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -45,19 +46,21 @@ CLIENT_OPTIONS = [
 ]
 
 
-class RequestIdLogFilter(logging.Filter):
-    """Adds the current request id to every log record as %(request_id)s."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.request_id = request_id_var.get()
-        return True
+def configure_logging(level: str = "INFO", log_format: str = "text") -> None:
+    """Every log line of this process as `log_format` (text or json), with the current request id, escaped
+    (services.common.logs)."""
+    logs.configure(level, log_format, request_id_var.get)
 
 
-def configure_logging(level: str = "INFO") -> None:
-    handler = logging.StreamHandler()
-    handler.addFilter(RequestIdLogFilter())
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(process)d %(name)s [%(request_id)s] %(message)s"))
-    logging.basicConfig(level=level, handlers=[handler], force=True)
+def status_code_name(exc: BaseException, context: grpc.aio.ServicerContext | None = None) -> str:
+    """The name of the gRPC status a handler's exception ends its call with (for metrics and request logs)."""
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        remaining = context.time_remaining() if context is not None else None
+        return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+    if isinstance(exc, grpc.aio.AbortError):
+        code = context.code() if context is not None else None
+        return code.name if code is not None else "UNKNOWN"
+    return code_pb2.Code.Name(status_for(exc).code)
 
 
 def status_for(exc: BaseException) -> status_pb2.Status:

@@ -11,6 +11,7 @@ import os
 import sys
 
 from services.common.grpc_server import ServingState, build_server, configure_logging, run_until_signalled
+from services.common.metrics import MetricsEndpoint, add_observability_args, check_observability_args
 from services.common.reuseport import WorkerGroup, reserve_port
 
 logger = logging.getLogger("llmserve.tokenizer")
@@ -37,16 +38,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="max_tokens when a request leaves it unset (capped by max_model_len)")
     parser.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get on SIGTERM")
     parser.add_argument("--log-level", default=os.environ.get("LLMSERVE_LOG_LEVEL", "INFO"))
+    add_observability_args(parser)
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")
+    check_observability_args(parser, args)
     if args.model == "":
         args.model = None
     return args
 
 
-async def serve(args: argparse.Namespace, port: int, workers: WorkerGroup | None = None) -> None:
-    """One relay process on `port`; the first one (the caller of main) also supervises `workers`."""
+async def serve(args: argparse.Namespace, port: int, workers: WorkerGroup | None = None,
+                endpoint: MetricsEndpoint | None = None) -> None:
+    """One relay process on `port`; the first one (the caller of main) also supervises `workers` and serves
+    the metrics `endpoint`."""
     from services.tokenizer.engine_client import EngineClient
     from services.tokenizer.limits import InputLimits
     from services.tokenizer.server import SERVICE_NAME, TextGenerationServicer, keep_health_in_step
@@ -56,7 +61,7 @@ async def serve(args: argparse.Namespace, port: int, workers: WorkerGroup | None
     engine = EngineClient(args.engine, tokenizer.fingerprint())
     state = ServingState(SERVICE_NAME)
     limits = await asyncio.to_thread(InputLimits.of, tokenizer)
-    servicer = TextGenerationServicer(tokenizer, engine, state, args.default_max_tokens, limits)
+    servicer = TextGenerationServicer(tokenizer, engine, state, args.default_max_tokens, limits, _metrics(args))
     server = build_server([SERVICE_NAME], state, servicer.register, reuse_port=args.workers > 1,
                           max_receive_bytes=limits.receive_bytes(tokenizer.context_length()))
     port = server.add_insecure_port(f"{args.host}:{port}")
@@ -66,6 +71,9 @@ async def serve(args: argparse.Namespace, port: int, workers: WorkerGroup | None
     if is_first:
         print(f"llmserve-tokenizer listening on {args.host}:{port} (engine {args.engine}, "
               f"{args.workers} worker{'s' if args.workers > 1 else ''})", flush=True)
+    if endpoint is not None:
+        metrics_port = endpoint.start(args.host, args.metrics_port)
+        print(f"llmserve-tokenizer metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
     watcher = asyncio.create_task(keep_health_in_step(engine, state))
 
     async def stop_watch() -> None:
@@ -75,22 +83,41 @@ async def serve(args: argparse.Namespace, port: int, workers: WorkerGroup | None
     await run_until_signalled(server, state, args.grace_period, stop_watch, workers, handle_sigint=is_first)
 
 
+def _metrics(args: argparse.Namespace):
+    """This worker's TokenizerMetrics when --metrics-port is set (in the directory the parent prepared)."""
+    if not args.metrics_port:
+        return None
+    from services.tokenizer import metrics
+
+    return metrics.enable()
+
+
 def serve_worker(args: argparse.Namespace, port: int) -> None:
     """Entry of the extra worker processes (spawned: a fresh interpreter each)."""
-    configure_logging(args.log_level)
-    asyncio.run(serve(args, port))
+    configure_logging(args.log_level, args.log_format)
+    try:
+        asyncio.run(serve(args, port))
+    finally:
+        if args.metrics_port:  # its in-flight gauge leaves the sum; its counts stay
+            MetricsEndpoint.mark_dead([os.getpid()])
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    configure_logging(args.log_level)
-    if args.workers == 1:  # no port sharing: a second server on the same port fails to bind, as it should
-        workers = WorkerGroup(serve_worker, args, args.port, 0)
-        asyncio.run(serve(args, args.port, workers))
-    else:
-        with reserve_port(args.host, args.port) as port, \
-                WorkerGroup(serve_worker, args, port, args.workers - 1, "tokenizer-worker") as workers:
-            asyncio.run(serve(args, port, workers))
+    configure_logging(args.log_level, args.log_format)
+    # NOTE: before the workers start: they inherit the metrics directory.
+    endpoint = MetricsEndpoint.prepare() if args.metrics_port else None
+    try:
+        if args.workers == 1:  # no port sharing: a second server on the same port fails to bind, as it should
+            workers = WorkerGroup(serve_worker, args, args.port, 0)
+            asyncio.run(serve(args, args.port, workers, endpoint))
+        else:
+            with reserve_port(args.host, args.port) as port, \
+                    WorkerGroup(serve_worker, args, port, args.workers - 1, "tokenizer-worker") as workers:
+                asyncio.run(serve(args, port, workers, endpoint))
+    finally:
+        if endpoint is not None:
+            endpoint.close()
     if workers.exit_code:
         sys.exit(workers.exit_code)
 

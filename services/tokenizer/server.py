@@ -10,7 +10,8 @@ from llmserve.textgen.v1 import textgen_pb2, textgen_pb2_grpc
 
 from services.common.convert import RequestClock
 from services.common.errors import UnavailableError
-from services.common.grpc_server import ServingState, request_id_var
+from services.common.grpc_server import ServingState, request_id_var, status_code_name
+from services.common.metrics import RequestObserver, RequestRecord
 from services.tokenizer.convert import ResolvedRequest, check_ids, prompt_ids, resolve_generate
 from services.tokenizer.engine_client import EngineClient, EngineStream, upstream_error, watch_engine
 from services.tokenizer.limits import INLINE_MAX_CHARS, InputLimits
@@ -25,8 +26,10 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
     """Text in, text deltas out; the engine sees only token ids."""
 
     def __init__(self, tokenizer: TextTokenizer, engine: EngineClient, state: ServingState,
-                 default_max_tokens: int = 256, limits: InputLimits | None = None):
+                 default_max_tokens: int = 256, limits: InputLimits | None = None, metrics=None):
+        """metrics: this worker's TokenizerMetrics (services.tokenizer.metrics), or None when they are off."""
         self.tokenizer = tokenizer
+        self.requests = RequestObserver(logger, metrics)
         self.limits = limits if limits is not None else InputLimits.of(tokenizer)
         self.engine = engine
         self.state = state
@@ -39,6 +42,11 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
         clock = RequestClock()
         request_id = request.request_id or uuid.uuid4().hex
         request_id_var.set(request_id)
+        with self.requests.track(request_id, clock, lambda exc: status_code_name(exc, context)) as record:
+            await self._generate(request, request_id, clock, context, record)
+
+    async def _generate(self, request: textgen_pb2.GenerateRequest, request_id: str, clock: RequestClock,
+                        context: grpc.aio.ServicerContext, record: RequestRecord) -> None:
         if self.state.draining:
             raise UnavailableError("tokenizer service is draining")
         info = self.engine.require_info()
@@ -49,16 +57,19 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
             resolve_generate, *args)
         text_stream = TextStream(self.tokenizer, resolved.prompt_ids, resolved.stops,
                                  resolved.include_stop_str_in_output, resolved.skip_special_tokens)
+        record.num_prompt_tokens, record.admitted = len(resolved.prompt_ids), True
         stream = EngineStream(self.engine.generate(resolved.engine_request(), context.time_remaining()))
+        record.engine = self.engine.target
         try:
-            await self._relay(stream, resolved, text_stream, clock, context)
+            await self._relay(stream, resolved, text_stream, clock, context, record)
         except grpc.aio.AioRpcError as exc:
+            record.engine_code = exc.code().name
             raise upstream_error(exc) from None
         finally:
             stream.cancel()
 
     async def _relay(self, stream: EngineStream, resolved: ResolvedRequest, text_stream: TextStream,
-                     clock: RequestClock, context: grpc.aio.ServicerContext) -> None:
+                     clock: RequestClock, context: grpc.aio.ServicerContext, record: RequestRecord) -> None:
         """Engine messages -> client messages, one per batch of ids that arrived while the previous write was
         under way; on a stop-string match, finish and leave (the caller cancels the engine call).
 
@@ -74,6 +85,7 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
                 clock.mark_token()
             ids, delta, matched = _push(text_stream, ids, bool(resolved.stops))
             num_ids += len(ids)
+            record.num_completion_tokens = num_ids  # a cancelled call logs its count
             response = textgen_pb2.GenerateResponse(request_id=resolved.request_id, text=delta, token_ids=ids,
                                                     usage=engine_response.usage)
             if matched is not None:
@@ -81,6 +93,7 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
                 response.finish_reason = common_pb2.FINISH_REASON_STOP
                 response.matched_stop_string = matched
                 response.timing.CopyFrom(clock.to_proto())
+                _finish(record, response)
                 await context.write(response)
                 return
             if engine_response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
@@ -89,6 +102,7 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
                 response.timing.CopyFrom(clock.to_proto())
                 if engine_response.HasField("matched_stop_token_id"):
                     response.matched_stop_token_id = engine_response.matched_stop_token_id
+                _finish(record, response)
                 await context.write(response)
                 return
             await context.write(response)
@@ -138,6 +152,11 @@ async def keep_health_in_step(engine: EngineClient, state: ServingState) -> None
 
     await watch_engine(engine, on_change)
 
+
+
+def _finish(record: RequestRecord, response: textgen_pb2.GenerateResponse) -> None:
+    usage = response.usage
+    record.finish(response.finish_reason, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
 
 
 def _push(text_stream: TextStream, ids: list[int], has_stops: bool) -> tuple[list[int], str, str | None]:

@@ -94,6 +94,8 @@ class EngineCore:
         outputs = [_output_of(seq, []) for seq in self._aborted]
         self._aborted.clear()
         batch = self.scheduler.schedule()
+        if batch.is_prefill:
+            _mark_scheduled(batch.seqs)
         if batch.seqs:
             sampled_token_ids = self.runner.execute(batch)
             for seq in self.scheduler.postprocess(batch, sampled_token_ids):
@@ -150,4 +152,18 @@ def _output_of(seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
         num_completion_tokens=seq.num_completion_tokens,
         num_cached_tokens=seq.num_prefix_hit_tokens,
         matched_stop_token_id=seq.last_token_id if stopped else None,
+        queue_time_s=_queue_time(seq) if seq.finish_reason is not None else None,
     )
+
+
+def _mark_scheduled(seqs: list[Sequence]) -> None:
+    now = None
+    for seq in seqs:
+        if seq.first_scheduled_time is None:
+            now = now or time.monotonic()
+            seq.first_scheduled_time = now
+
+
+def _queue_time(seq: Sequence) -> float | None:
+    """Seconds from arrival to the first scheduling (vLLM's queue interval); None if it never ran."""
+    return None if seq.first_scheduled_time is None else max(seq.first_scheduled_time - seq.arrival_time, 0.0)

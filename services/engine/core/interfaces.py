@@ -50,6 +50,7 @@ class RequestOutput:
     num_completion_tokens: int
     num_cached_tokens: int
     matched_stop_token_id: int | None = None
+    queue_time_s: float | None = None  # on the last output: arrival to first scheduled
 
     @property
     def finished(self) -> bool:

@@ -49,6 +49,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     matched_stop_token_id: int | None = None
     arrival_time: float = 0.0
+    first_scheduled_time: float | None = None  # when its prefill first began (monotonic)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

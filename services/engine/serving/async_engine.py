@@ -68,7 +68,7 @@ class _Stream:
                                  self.num_cached_tokens)
         return RequestOutput(self.request_id, ids, FinishReason(finished.finish_reason), finished.num_prompt_tokens,
                              finished.num_completion_tokens, finished.num_cached_tokens,
-                             finished.matched_stop_token_id)
+                             finished.matched_stop_token_id, finished.queue_time_s)
 
 
 class AsyncEngine:

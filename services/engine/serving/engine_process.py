@@ -15,6 +15,7 @@ import time
 from array import array
 from dataclasses import dataclass
 
+from services.common import logs
 from services.common.default_model import model_display_name
 from services.engine.core.engine import EngineCore
 from services.engine.core.interfaces import RequestOutput
@@ -164,7 +165,7 @@ class CoreLoop:
                 self._num_finished_requests += 1
                 batch[3].append(FinishedRequest(handle, int(output.finish_reason), output.num_prompt_tokens,
                                                 output.num_completion_tokens, output.num_cached_tokens,
-                                                output.matched_stop_token_id))
+                                                output.matched_stop_token_id, output.queue_time_s))
         stats = self.core.stats()
         events = self.core.take_kv_events()  # None unless a front subscribes
         kv_events = (events.block_hashes, events.cached) if events else None
@@ -187,12 +188,12 @@ class CoreLoop:
             self._hang_up(front)
 
 
-def run_engine_core(connections: list, engine_kwargs: dict, log_level: str = "INFO") -> None:
+def run_engine_core(connections: list, engine_kwargs: dict, log_level: str = "INFO", log_format: str = "text") -> None:
     """Entry point of the engine-core process: load the model, then run the CoreLoop until every front is gone."""
     from services.engine.llm import LLM
 
     _die_with_parent()
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine-core] %(message)s")
+    logs.configure(log_level, log_format, label="engine-core")
     # NOTE: Ctrl-C and a group-wide SIGTERM reach this process too; the fronts drain first, then hang up,
     # which ends the loop. A SIGKILL (the out-of-memory killer) is seen by every front as a closed connection.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -210,13 +211,13 @@ def run_engine_core(connections: list, engine_kwargs: dict, log_level: str = "IN
         llm.shutdown()
 
 
-def start_engine_core(num_fronts: int, engine_kwargs: dict, log_level: str = "INFO"
+def start_engine_core(num_fronts: int, engine_kwargs: dict, log_level: str = "INFO", log_format: str = "text"
                       ) -> tuple[mp.process.BaseProcess, list]:
     """Spawn the engine-core process; return it and the fronts' ends of its connections (one per front)."""
     context = mp.get_context("spawn")
     pairs = [context.Pipe(duplex=True) for _ in range(num_fronts)]
-    process = context.Process(target=run_engine_core, args=([core for _, core in pairs], engine_kwargs, log_level),
-                              name="llmserve-engine-core", daemon=True)
+    process = context.Process(target=run_engine_core, name="llmserve-engine-core", daemon=True,
+                              args=([core for _, core in pairs], engine_kwargs, log_level, log_format))
     process.start()
     for _, core_end in pairs:
         core_end.close()

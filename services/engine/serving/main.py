@@ -14,6 +14,7 @@ import signal
 import sys
 
 from services.common.grpc_server import ServingState, build_server, configure_logging, run_until_signalled
+from services.common.metrics import MetricsEndpoint, add_observability_args, check_observability_args
 from services.common.reuseport import WorkerGroup, reserve_port
 from services.engine.serving.cli_args import add_engine_args, engine_args_from
 
@@ -41,12 +42,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "messages on both hops, at the cost of burstier inter-token times")
     parser.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get on SIGTERM")
     parser.add_argument("--log-level", default=os.environ.get("LLMSERVE_LOG_LEVEL", "INFO"))
+    add_observability_args(parser)
     add_engine_args(parser)
     args = parser.parse_args(argv)
     if args.api_workers < 0:
         parser.error("--api-workers must be >= 0")
     if args.stream_interval < 1:
         parser.error("--stream-interval must be >= 1")
+    check_observability_args(parser, args)
     args.api_workers = args.api_workers or default_api_workers()
     return args
 
@@ -54,9 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class Front:
     """One gRPC front: a server on the shared port relaying to the engine-core process over `connection`."""
 
-    def __init__(self, args: argparse.Namespace, connection):
+    def __init__(self, args: argparse.Namespace, connection, metrics_endpoint: MetricsEndpoint | None = None):
         self.args = args
         self.connection = connection
+        self.metrics_endpoint = metrics_endpoint  # the first front's: it serves /metrics
         self.exit_code = 0
 
     async def serve(self, port: int, workers: WorkerGroup | None = None, on_ready=None) -> None:
@@ -71,7 +75,7 @@ class Front:
         description = engine.description
         state = ServingState(SERVICE_NAME)
         validator = RequestValidator.for_config(description.scheduler_config, description.vocab_size)
-        servicer = EngineServicer(engine, engine_info(description), state, validator)
+        servicer = EngineServicer(engine, engine_info(description), state, validator, self._metrics())
         max_receive_bytes = 5 * description.scheduler_config.max_model_len + MESSAGE_OVERHEAD_BYTES
         server = build_server([SERVICE_NAME], state, servicer.register, reuse_port=self.args.api_workers > 1,
                               max_receive_bytes=max_receive_bytes)
@@ -82,6 +86,8 @@ class Front:
         if is_first:
             await servicer.warm_up()
         await state.mark_ready()
+        if self.metrics_endpoint is not None:
+            self._serve_metrics(engine)
         if on_ready is not None:
             on_ready(servicer, port)
 
@@ -89,6 +95,20 @@ class Front:
             engine.shutdown()
 
         await run_until_signalled(server, state, self.args.grace_period, stop_relay, workers, handle_sigint=is_first)
+
+    def _metrics(self):
+        """This front's EngineMetrics when --metrics-port is set (in the directory the parent prepared)."""
+        if not self.args.metrics_port:
+            return None
+        from services.engine.serving.metrics import EngineMetrics
+
+        return EngineMetrics()
+
+    def _serve_metrics(self, engine) -> None:
+        from services.engine.serving.metrics import EngineStatsCollector
+
+        port = self.metrics_endpoint.start(self.args.host, self.args.metrics_port, [EngineStatsCollector(engine.stats)])
+        print(f"llmserve-engine metrics on http://{self.args.host}:{port}/metrics", flush=True)
 
     def _core_lost(self) -> None:
         """The core died: streams already failed UNAVAILABLE; drain (health NOT_SERVING) and exit non-zero."""
@@ -98,7 +118,7 @@ class Front:
 
 def run_api_worker(args: argparse.Namespace, port: int, connection) -> None:
     """Entry point of fronts 1..N-1 (spawned by WorkerGroup, each with its own connection to the core)."""
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     front = Front(args, connection)
     asyncio.run(front.serve(port))
     sys.exit(front.exit_code)
@@ -106,15 +126,26 @@ def run_api_worker(args: argparse.Namespace, port: int, connection) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the service until signalled; the exit code is non-zero if a process of the service died."""
+    # NOTE: before any other process starts: they all inherit the metrics directory.
+    endpoint = MetricsEndpoint.prepare() if args.metrics_port else None
+    try:
+        return _run(args, endpoint)
+    finally:
+        if endpoint is not None:
+            endpoint.close()
+
+
+def _run(args: argparse.Namespace, endpoint: MetricsEndpoint | None) -> int:
     from services.engine.serving.engine_process import start_engine_core
 
     engine_args = engine_args_from(args)
     engine_args.model = engine_args.model or None  # "" (compose's unset LLMSERVE_MODEL): the embedded default
     # NOTE: started from the main thread: the core asks for SIGKILL when its parent *thread* exits.
     core, connections = start_engine_core(args.api_workers, {name: getattr(engine_args, name)
-                                                             for name in engine_args.field_names()}, args.log_level)
+                                                             for name in engine_args.field_names()},
+                                            args.log_level, args.log_format)
     logger.info("engine core process: pid %d", core.pid)
-    front = Front(args, connections[0])
+    front = Front(args, connections[0], endpoint)
     # One front binds the port alone (a second server on it fails, as it should); several share it.
     sharing = reserve_port(args.host, args.port) if args.api_workers > 1 else contextlib.nullcontext(args.port)
     with sharing as port:
@@ -144,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     sys.exit(run(args))
 
 

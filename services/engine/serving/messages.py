@@ -73,6 +73,7 @@ class FinishedRequest:
     num_completion_tokens: int
     num_cached_tokens: int
     matched_stop_token_id: int | None
+    queue_time_s: float | None = None  # arrival to first scheduled, in the core; None if it never ran
 
 
 @dataclass(slots=True)

@@ -9,7 +9,8 @@ import grpc
 from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc
 
 from services.common.errors import InvalidRequestError, UnavailableError
-from services.common.grpc_server import ServingState, request_id_var
+from services.common.grpc_server import ServingState, request_id_var, status_code_name
+from services.common.metrics import RequestObserver
 from services.engine.serving.async_engine import AsyncEngine
 from services.engine.serving.convert import (
     RequestClock, kv_events_response, load_report, response_from_output, sampling_from_proto)
@@ -26,11 +27,13 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     _drain_watch: asyncio.Task | None = None  # ends KV-event subscriptions when the drain starts
 
     def __init__(self, engine: AsyncEngine, info: engine_pb2.GetEngineInfoResponse, state: ServingState,
-                 validator: RequestValidator):
+                 validator: RequestValidator, metrics=None):
+        """metrics: this front's EngineMetrics (services.engine.serving.metrics), or None when they are off."""
         self.engine = engine
         self.info = info
         self.state = state
         self.validator = validator
+        self.requests = RequestObserver(logger, metrics)
 
     def register(self, server: grpc.aio.Server) -> None:
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self, server)
@@ -43,24 +46,28 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             pass
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        if self.state.draining:
-            raise UnavailableError("engine is draining")
-        if not request.request_id:
-            raise InvalidRequestError("request_id", "must not be empty")
-        request_id_var.set(request.request_id)
-        prompt = list(request.prompt_token_ids)
-        sampling = sampling_from_proto(request.sampling, len(prompt), self.info.max_model_len)
-        self.validator.validate(prompt, sampling)
         clock = RequestClock()
-        stream = self.engine.generate(request.request_id, prompt, sampling)
-        async with contextlib.aclosing(stream):
-            async for output in stream:
-                if output.new_token_ids:
-                    clock.mark_token()
-                if output.finished:
-                    logger.info("finished: %s, %d prompt + %d completion tokens", output.finish_reason.name,
-                                output.num_prompt_tokens, output.num_completion_tokens)
-                yield response_from_output(output, clock)
+        with self.requests.track(request.request_id, clock, lambda exc: status_code_name(exc, context)) as record:
+            if self.state.draining:
+                raise UnavailableError("engine is draining")
+            if not request.request_id:
+                raise InvalidRequestError("request_id", "must not be empty")
+            request_id_var.set(request.request_id)
+            prompt = list(request.prompt_token_ids)
+            sampling = sampling_from_proto(request.sampling, len(prompt), self.info.max_model_len)
+            self.validator.validate(prompt, sampling)
+            record.num_prompt_tokens, record.admitted = len(prompt), True
+            stream = self.engine.generate(request.request_id, prompt, sampling)
+            async with contextlib.aclosing(stream):
+                async for output in stream:
+                    if output.new_token_ids:
+                        clock.mark_token()
+                    record.num_completion_tokens = output.num_completion_tokens  # a cancelled call logs its count
+                    if output.finished:
+                        record.finish(output.finish_reason, output.num_prompt_tokens, output.num_completion_tokens,
+                                      output.num_cached_tokens)
+                        record.queue_time_s = output.queue_time_s
+                    yield response_from_output(output, clock)
 
     async def Abort(self, request: engine_pb2.AbortRequest, context) -> engine_pb2.AbortResponse:
         aborted = await self.engine.abort_any(list(request.request_ids))
