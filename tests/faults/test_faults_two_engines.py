@@ -37,7 +37,9 @@ NUM_STREAMS = 12
 LONG_MAX_TOKENS = 200
 CALL_TIMEOUT_S = 300.0
 ENDED_WITHIN_S = 60.0
-FINISHED_LINE = re.compile(r"\[(two-engines-\d+)-[0-9a-f]+\] finished: LENGTH")
+# The engine's line for a finished request: "request finished: request_id=<id>-<suffix> ... finish_reason=length"
+# (before the request logs: "[<id>-<suffix>] finished: LENGTH, ...").
+FINISHED_LINE = re.compile(r"\b(two-engines-\d+)-[0-9a-f]{12}\b.*finish(?:ed: |_reason=)(?:LENGTH|length)")
 
 
 class Victim:
