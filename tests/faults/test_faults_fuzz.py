@@ -52,7 +52,8 @@ IN_RANGE = {
 }
 WILD = {"temperature": WILD_FLOATS, "top_p": WILD_FLOATS, "min_p": WILD_FLOATS, "top_k": U32, "max_tokens": MAX_TOKENS,
         "min_tokens": st.sampled_from([0, 1, 3, 16, 2**32 - 1]), "num_logprobs": st.sampled_from([0, 1, 5, 2**32 - 1])}
-FIELDS = [*WILD, "stop_token_ids", "prompt", "stop"]
+FIELDS = [*WILD, "stop_token_ids", "prompt", "stop", "request_id"]
+TAME_REQUEST_IDS = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=40)  # printable ASCII
 
 
 def optional(strategy):
@@ -80,7 +81,8 @@ def sampling_params(draw, wild: set[str]) -> common_pb2.SamplingParams:
 @st.composite
 def generate_requests(draw) -> textgen_pb2.GenerateRequest:
     wild = draw(wild_fields())
-    request = textgen_pb2.GenerateRequest(request_id=draw(st.text(max_size=40)), sampling=draw(sampling_params(wild)))
+    request_ids = st.text(max_size=40) | st.text(max_size=600) if "request_id" in wild else TAME_REQUEST_IDS
+    request = textgen_pb2.GenerateRequest(request_id=draw(request_ids), sampling=draw(sampling_params(wild)))
     wild_prompt = "prompt" in wild
     prompt = draw(st.sampled_from(["text", "text", "chat", "token_ids"] + (["none"] if wild_prompt else [])))
     min_size = 0 if wild_prompt else 1
@@ -147,6 +149,7 @@ EDGES = [
     edge(sampling_top_k=0), edge(sampling_min_p=1.0), edge(sampling_min_tokens=5), edge(sampling_num_logprobs=1),
     edge(sampling_stop_token_ids=[VOCAB_SIZE]), edge(chat=[]), edge(chat=[("robot", "hi")]), edge(stop=[""]),
     edge(text="<|im_end|><|im_start|>user 🌍\x00", skip_special_tokens=False), edge(request_id="a\nb"),
+    edge(request_id="x" * 257), edge(request_id="é"),
 ]
 
 
