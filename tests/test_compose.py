@@ -104,10 +104,20 @@ def test_tokenizer_command_points_at_the_engine_service(compose, scripts):
     module_name, args = parse_command(compose["services"]["tokenizer"], scripts)
     assert module_name == ENTRY_MODULES["tokenizer"]
     assert (args.host, args.port) == ("0.0.0.0", PUBLIC_PORT)
-    engine_host, _, engine_port = args.engine.rpartition(":")
+    [target] = args.engine_targets
     _, engine_args = parse_command(compose["services"]["engine"], scripts)
-    assert engine_host in compose["services"] and engine_host == "engine"
-    assert int(engine_port) == engine_args.port
+    assert target.address in compose["services"] and target.address == "engine"
+    assert target.port == engine_args.port
+
+
+def test_the_engine_scales_and_the_tokenizer_finds_every_replica_by_dns(compose, scripts):
+    """`docker compose up --scale engine=N`: N engine containers need no fixed name and no host port, and the
+    service name resolves to all of them, which the tokenizer service resolves again as they come and go."""
+    engine = compose["services"]["engine"]
+    assert "container_name" not in engine and "ports" not in engine
+    assert "container_name" not in compose["services"]["tokenizer"]
+    _, args = parse_command(compose["services"]["tokenizer"], scripts)
+    assert [target.resolvable for target in args.engine_targets] == [True]
 
 
 @pytest.mark.parametrize("name, service_name", [("engine", ENGINE_SERVICE), ("tokenizer", TEXTGEN_SERVICE)])

@@ -16,6 +16,10 @@ class InvalidRequestError(EngineError, ValueError):
         self.field = field
         self.description = message
 
+    def __reduce__(self):
+        # NOTE: pickled between the engine core and its fronts; the default would call cls(str(self)).
+        return self.__class__, (self.field, self.description)
+
 
 class QueueFullError(EngineError):
     """The waiting queue is at its limit; the client may retry later."""
@@ -25,8 +29,14 @@ class QueueFullError(EngineError):
         self.retry_after_s = retry_after_s
 
 
-class DuplicateRequestError(EngineError, ValueError):
-    """A request id that is already in flight."""
+class DuplicateRequestError(InvalidRequestError):
+    """A request id that is already in flight: INVALID_ARGUMENT naming "request_id", as engine.proto documents."""
+
+    def __init__(self, message: str):
+        super().__init__("request_id", message)
+
+    def __reduce__(self):
+        return self.__class__, (self.description,)
 
 
 class UnavailableError(EngineError):

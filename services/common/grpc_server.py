@@ -1,9 +1,11 @@
 """gRPC server plumbing shared by both services: error mapping, health, reflection, keepalive, shutdown."""
 
 import asyncio
+import contextlib
 import contextvars
 import inspect
 import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable, Iterable
 
@@ -15,7 +17,6 @@ from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
 from services.common.errors import (
-    DuplicateRequestError,
     InvalidRequestError,
     QueueFullError,
     UnavailableError,
@@ -23,6 +24,7 @@ from services.common.errors import (
 )
 from services.common import logs
 from services.common.reuseport import WorkerGroup
+from services.common.validation import escape_for_log
 
 logger = logging.getLogger(__name__)
 WORKER_EXIT_MARGIN_S = 10.0
@@ -71,12 +73,12 @@ def status_for(exc: BaseException) -> status_pb2.Status:
         violation = error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=exc.description)
         return _status(code_pb2.INVALID_ARGUMENT, str(exc), error_details_pb2.BadRequest(field_violations=[violation]))
     if isinstance(exc, QueueFullError):
-        retry = error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(nanos=int(exc.retry_after_s * 1e9)))
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(int(exc.retry_after_s * 1e9))  # NOTE: Duration(nanos=...) must stay below 1 s
+        retry = error_details_pb2.RetryInfo(retry_delay=delay)
         return _status(code_pb2.RESOURCE_EXHAUSTED, str(exc), retry)
     if isinstance(exc, UnavailableError):
         return _status(code_pb2.UNAVAILABLE, str(exc))
-    if isinstance(exc, DuplicateRequestError):
-        return _status(code_pb2.ALREADY_EXISTS, str(exc))
     return _status(code_pb2.INTERNAL, f"internal error (request {request_id_var.get()})")
 
 
@@ -94,60 +96,125 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> N
     if status.code == code_pb2.INTERNAL:
         logger.error("unhandled error", exc_info=exc)
     else:
-        logger.info("request rejected: %s", exc)
+        logger.info("request rejected: %s", escape_for_log(str(exc)))  # NOTE: may quote the client's strings
     await context.abort_with_status(rpc_status.to_status(status))
 
 
+class MalformedRequest:
+    """What a method receives when its request bytes do not parse (corrupt body, invalid UTF-8 in a string field)."""
+
+    __slots__ = ("type_name", "error")
+
+    def __init__(self, type_name: str, error: Exception):
+        self.type_name = type_name
+        self.error = error
+
+    def status(self) -> status_pb2.Status:
+        """INVALID_ARGUMENT with a BadRequest on the whole message (field ""): protobuf does not say which field."""
+        description = f"not a valid {self.type_name}: {self.error}"
+        violation = error_details_pb2.BadRequest.FieldViolation(field="", description=description)
+        return _status(code_pb2.INVALID_ARGUMENT, f"malformed request: {description}",
+                       error_details_pb2.BadRequest(field_violations=[violation]))
+
+
+def _tolerant(deserializer):
+    """A request deserializer that returns MalformedRequest instead of raising (grpc would answer UNKNOWN with the
+    exception's class name), so the method wrapper can answer INVALID_ARGUMENT."""
+    if deserializer is None:
+        return None
+    type_name = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
+    type_name = type_name.full_name if type_name is not None else "request"
+
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError, or a UnicodeDecodeError
+            return MalformedRequest(type_name, exc)
+
+    return deserialize
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """The one place where typed errors become gRPC statuses; clients never see a stack trace."""
+    """The one place where typed errors become gRPC statuses; clients never see a stack trace.
+
+    Also: a request that does not parse gets INVALID_ARGUMENT, and with a ServingState, every call but the
+    health service's counts as in flight (a drain waits for them; see run_until_signalled).
+    """
+
+    def __init__(self, state: "ServingState | None" = None):
+        self.state = state
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
+        tracked = self.state if not handler_call_details.method.startswith(_HEALTH_PREFIX) else None
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
+                _wrap_unary(handler.unary_unary, tracked),
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
+                _wrap_stream(handler.unary_stream, tracked),
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         return handler
 
 
-def _wrap_unary(behavior):
+_HEALTH_PREFIX = f"/{health_pb2.DESCRIPTOR.services_by_name['Health'].full_name}/"
+
+
+def _wrap_unary(behavior, state: "ServingState | None"):
     async def wrapped(request, context):
-        try:
-            return await behavior(request, context)
-        except (grpc.aio.AbortError, asyncio.CancelledError):
-            raise
-        except Exception as exc:
-            await abort_with(context, exc)
+        if isinstance(request, MalformedRequest):
+            await context.abort_with_status(rpc_status.to_status(request.status()))
+        with _in_flight(state):
+            try:
+                return await behavior(request, context)
+            except (grpc.aio.AbortError, asyncio.CancelledError):
+                raise
+            except Exception as exc:
+                await abort_with(context, exc)
 
     return wrapped
 
 
-def _wrap_stream(behavior):
+def _wrap_stream(behavior, state: "ServingState | None"):
     if inspect.iscoroutinefunction(behavior):
         # The reader/writer form (responses sent with `await context.write(...)`), e.g. Health/Watch: wrapped as a
         # coroutine, since grpc.aio picks the calling convention from the handler's type.
-        return _wrap_unary(behavior)
+        return _wrap_unary(behavior, state)
 
     async def wrapped(request, context):
-        try:
-            async for response in behavior(request, context):
-                yield response
-        except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit):
-            raise
-        except Exception as exc:
-            await abort_with(context, exc)
+        if isinstance(request, MalformedRequest):
+            await context.abort_with_status(rpc_status.to_status(request.status()))
+        with _in_flight(state):
+            try:
+                async for response in behavior(request, context):
+                    yield response
+            except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit):
+                raise
+            except Exception as exc:
+                await abort_with(context, exc)
 
     return wrapped
+
+
+@contextlib.contextmanager
+def _in_flight(state: "ServingState | None"):
+    if state is None:
+        yield
+        return
+    state.num_in_flight += 1
+    try:
+        yield
+    finally:
+        state.num_in_flight -= 1
+        if not state.num_in_flight:
+            state.idle.set()
 
 
 class ServingState:
@@ -158,6 +225,21 @@ class ServingState:
         self.drain_started = asyncio.Event()  # set with `draining`: for streams that never end alone
         self.health = health.aio.HealthServicer()
         self.draining = False
+        self._ready = False
+        self.num_in_flight = 0  # calls other than health checks, counted by ErrorMappingInterceptor
+        self.idle = asyncio.Event()  # set whenever num_in_flight drops to 0
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no call is in flight; False if some still are after timeout_s."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.num_in_flight:
+            self.idle.clear()
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.idle.wait(), remaining)
+        return True
 
     async def set(self, name: str, status: int) -> None:
         await self.health.set(name, status)
@@ -167,7 +249,11 @@ class ServingState:
         await self.set(self.service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def mark_ready(self, ready: bool = True) -> None:
+        """Set this process's health; each process of a shared port logs its own flips (with its pid)."""
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        if ready != self._ready:
+            self._ready = ready
+            logger.info("process %d %s", os.getpid(), "serving" if ready else "not serving")
         await self.set(self.service_name, status)
 
     async def mark_draining(self) -> None:
@@ -188,7 +274,7 @@ def build_server(service_names: Iterable[str], state: ServingState,
     if max_receive_bytes is not None:
         options = [(key, max_receive_bytes if key == "grpc.max_receive_message_length" else value)
                    for key, value in options]
-    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=options)
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(state)], options=options)
     add_servicers(server)
     health_pb2_grpc.add_HealthServicer_to_server(state.health, server)
     names = list(service_names) + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -200,7 +286,13 @@ def build_server(service_names: Iterable[str], state: ServingState,
 async def run_until_signalled(server: grpc.aio.Server, state: ServingState, grace_s: float,
                               on_stop: Callable[[], Awaitable[None]] | None = None,
                               workers: WorkerGroup | None = None, handle_sigint: bool = True) -> None:
-    """Serve until SIGINT/SIGTERM, then report NOT_SERVING, let streams finish for grace_s and stop.
+    """Serve until SIGINT/SIGTERM, then drain: report NOT_SERVING, let streams finish for grace_s and stop.
+
+    While draining the server keeps listening and answering: health checks (new and existing connections) get
+    NOT_SERVING, new Generate calls UNAVAILABLE (the servicers check `state.draining`), until no call is in
+    flight (ServingState.wait_idle) or grace_s has passed; only then does the server stop, cancelling what is
+    left. So a readiness probe sees NOT_SERVING rather than "connection refused", and the process exits as soon
+    as its last stream ends.
 
     With `workers` (the other processes on this port), a signal is passed on to them as SIGTERM, and a worker
     that exits on its own stops this process too (workers.exit_code is then 1); the workers are joined last.
@@ -218,10 +310,13 @@ async def run_until_signalled(server: grpc.aio.Server, state: ServingState, grac
         waiter.cancel()
     if workers is not None:
         workers.stop()
-    logger.info("draining: health NOT_SERVING, grace %.1fs", grace_s)
+    logger.info("draining: health NOT_SERVING, %d calls in flight, grace %.1fs", state.num_in_flight, grace_s)
     await state.mark_draining()
-    await server.stop(grace_s)
+    if not await state.wait_idle(grace_s):
+        logger.warning("grace period over: cancelling %d calls in flight", state.num_in_flight)
+    await server.stop(0)
     if on_stop is not None:
         await on_stop()
     if workers is not None:
         await asyncio.to_thread(workers.join, grace_s + WORKER_EXIT_MARGIN_S)
+

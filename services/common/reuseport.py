@@ -11,7 +11,7 @@ Usage in a service's entry point (the parent process serves too; it is worker 0)
             WorkerGroup(serve_worker, args, port, args.workers - 1) as workers:
         asyncio.run(serve(args, port, workers))    # its server built with reuse_port=True, and
                                                    # run_until_signalled(..., workers=workers)
-    sys.exit(workers.exit_code)
+    exit_after_drain(workers.exit_code)         # flushes, then skips the interpreter's slow native teardown
 
 - `reserve_port(host, port)` binds (without listening) a SO_REUSEPORT socket and yields the concrete port
   (port 0 becomes a free one), so every process binds the same port and no other program takes it
@@ -177,3 +177,16 @@ class WorkerGroup:
                 process.join(KILL_WAIT_S)
             if process.exitcode != 0:
                 self.failed = True
+
+
+def exit_after_drain(code: int):
+    """End a service process whose drain is over: flush logs and output, then exit without the interpreter's teardown.
+
+    NOTE: that teardown runs native destructors (gRPC, tokenizers, torch) with no Python frame for seconds
+    (measured: 0.4 s for an engine front, 6-8 s for a tokenizer relay on the shared CPU machine), so a
+    supervisor would see the exit that long after the last stream ended. Nothing is left to clean by then.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -14,6 +14,43 @@ from services.common.errors import InvalidRequestError
 PROMPT_TOKEN_IDS = "prompt_token_ids"
 MAX_TOKENS = "sampling.max_tokens"
 STOP_TOKEN_IDS = "sampling.stop_token_ids"
+REQUEST_ID = "request_id"
+MAX_REQUEST_ID_LEN = 256  # characters, each one byte: printable ASCII only
+_PRINTABLE_ASCII = frozenset(range(0x20, 0x7F))
+
+
+def check_request_id(request_id: str) -> None:
+    """The one rule for request ids, at both services: 1 to MAX_REQUEST_ID_LEN printable ASCII characters.
+
+    Ids are echoed in every response message and written into log lines, so an unbounded id multiplies
+    the response size and a newline or control character could forge a log line. An empty id is the
+    caller's business (the tokenizer service makes one up; the engine service requires one).
+    """
+    if len(request_id) > MAX_REQUEST_ID_LEN:
+        raise InvalidRequestError(REQUEST_ID, f"must be at most {MAX_REQUEST_ID_LEN} characters, "
+                                              f"got {len(request_id)}")
+    bad = next((char for char in request_id if ord(char) not in _PRINTABLE_ASCII), None)
+    if bad is not None:
+        raise InvalidRequestError(REQUEST_ID, f"must be printable ASCII (0x20-0x7e), got {bad!r} "
+                                              f"at index {request_id.index(bad)}")
+
+
+def loggable_request_id(request_id: str) -> str:
+    """A request id as logs and metrics may carry it before check_request_id passed: at most
+    MAX_REQUEST_ID_LEN characters (the logger escapes the rest), so a refused 8 MB id costs one short line."""
+    if len(request_id) <= MAX_REQUEST_ID_LEN:
+        return request_id
+    return f"{request_id[:MAX_REQUEST_ID_LEN]}...({len(request_id)} characters)"
+
+
+def escape_for_log(text: str) -> str:
+    """`text` with every character outside printable ASCII escaped (a newline becomes the two characters \\n),
+    so a client's string can never start a log line of its own."""
+    if all(ord(char) in _PRINTABLE_ASCII for char in text):
+        return text
+    return "".join(char if ord(char) in _PRINTABLE_ASCII else char.encode("unicode_escape").decode("ascii")
+                   for char in text)
+MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (OpenAI's top_logprobs limit)
 
 
 def check_sampling(*, temperature: float, top_k: int, top_p: float, min_p: float, max_tokens: int,
@@ -40,15 +77,27 @@ def check_sampling(*, temperature: float, top_k: int, top_p: float, min_p: float
         raise InvalidRequestError("sampling.seed", f"must be >= 0, got {seed}")
 
 
-def check_wire_sampling(*, top_k: int | None, num_logprobs: int | None) -> None:
+def check_wire_sampling(*, top_k: int | None) -> None:
     """The checks only the gRPC contracts have (None = the field is unset).
 
-    An explicit top_k of 0 is rejected there (unset disables top-k), and log-probabilities are not computed yet.
+    An explicit top_k of 0 is rejected there (unset disables top-k).
     """
     if top_k == 0:
         raise InvalidRequestError("sampling.top_k", "must be >= 1 (leave it unset to disable top-k)")
-    if num_logprobs is not None:
-        raise InvalidRequestError("sampling.num_logprobs", "log-probabilities are not supported yet")
+
+
+def check_extras(*, num_logprobs: int | None, repetition_penalty: float, presence_penalty: float,
+                 frequency_penalty: float) -> None:
+    """Log-probabilities and penalties. num_logprobs: None or [0, MAX_LOGPROBS]. repetition_penalty: finite, > 0
+    (1 disables it). presence_penalty and frequency_penalty: [-2, 2] (0 disables them). NaN fails every range."""
+    if num_logprobs is not None and not 0 <= num_logprobs <= MAX_LOGPROBS:
+        raise InvalidRequestError("sampling.num_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {num_logprobs}")
+    if not (math.isfinite(repetition_penalty) and repetition_penalty > 0.0):
+        raise InvalidRequestError("sampling.repetition_penalty",
+                                  f"must be a finite number > 0, got {repetition_penalty}")
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not -2.0 <= value <= 2.0:
+            raise InvalidRequestError(f"sampling.{name}", f"must be in [-2, 2], got {value}")
 
 
 def check_token_ids(field: str, token_ids: Sequence[int], vocab_size: int) -> None:
@@ -66,6 +115,16 @@ def check_prompt(field: str, prompt_token_ids: Sequence[int], vocab_size: int, m
     if len(prompt_token_ids) > max_model_len:
         raise InvalidRequestError(field, f"the prompt has {len(prompt_token_ids)} tokens; "
                                          f"max_model_len is {max_model_len}")
+
+
+def check_room_for_completion(prompt_field: str, num_prompt_tokens: int, max_model_len: int) -> None:
+    """With max_tokens unset (it fills the context), the prompt must leave room for one token: blame the prompt.
+
+    The caller never set max_tokens, so an error naming it would point at nothing they can change.
+    """
+    if num_prompt_tokens >= max_model_len:
+        raise InvalidRequestError(prompt_field, f"the prompt has {num_prompt_tokens} tokens, leaving no room for a "
+                                                f"completion in max_model_len {max_model_len}")
 
 
 def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:

@@ -8,6 +8,8 @@ from numbers import Integral
 
 from tqdm.auto import tqdm
 
+from services.common.default_model import model_display_name
+from services.common.generation_defaults import read_generation_config, sampling_defaults
 from services.engine.config import EngineArgs
 from services.engine.core.engine import EngineCore
 from services.engine.core.errors import InvalidRequestError
@@ -54,6 +56,8 @@ class LLM:
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_token_ids = self._eos_token_ids()
+        generation_config = read_generation_config(runner.model_path) if os.path.isdir(runner.model_path) else None
+        self.generation_defaults = sampling_defaults(model_display_name(runner.model_path), generation_config)
         runner.eos_token_ids = self.eos_token_ids  # the sampler keeps them out until min_tokens
         config = args.scheduler_config(runner.max_model_len, runner.num_kvcache_blocks)
         self.engine = EngineCore(config, runner, self.eos_token_ids, runner.vocab_size)
@@ -92,30 +96,42 @@ class LLM:
         ids += [i for i in self.runner.eos_token_ids if i not in ids]
         return ids
 
+    def default_sampling_params(self, **overrides) -> SamplingParams:
+        """SamplingParams with the model's defaults (services.common.generation_defaults), then `overrides`."""
+        values = dict(self.generation_defaults)
+        values["top_k"] = int(values["top_k"])
+        return SamplingParams(**(values | overrides))
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:
-        """Generate for each prompt; returns dicts {text, token_ids, finish_reason, num_cached_tokens} in order.
+        """Generate for each prompt; returns dicts {text, token_ids, finish_reason, num_cached_tokens, logprobs}
+        in order (`logprobs`: one TokenLogprobs per token when the request asked, else None).
 
-        `prompts`: a str, a list of str, or a list of token-id lists. Every request is validated before
+        `prompts`: a str, a list of str, or a list of token-id lists. Without `sampling_params` each request
+        samples with the model's defaults (default_sampling_params()). Every request is validated before
         any runs; an invalid one raises InvalidRequestError and nothing is generated.
         """
         prompt_ids = self._tokenize(prompts)
         params = self._sampling_list(sampling_params, len(prompt_ids))
         request_ids = self._add_all(prompt_ids, params)
         token_ids: dict[str, list[int]] = {rid: [] for rid in request_ids}
+        logprobs: dict[str, list] = {rid: [] for rid in request_ids}
         finals = {}
         try:
             with tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm) as progress:
                 while self.engine.has_unfinished_requests():
                     for output in self.engine.step():
                         token_ids[output.request_id].extend(output.new_token_ids)
+                        if output.logprobs:
+                            logprobs[output.request_id].extend(output.logprobs)
                         if output.finished:
                             finals[output.request_id] = output
                             progress.update(1)
         except BaseException:
             self._abort_all(request_ids)  # e.g. KeyboardInterrupt: leave the engine empty for the next call
             raise
-        return [self._result(token_ids[rid], finals[rid]) for rid in request_ids]
+        return [self._result(token_ids[rid], finals[rid], logprobs[rid] if p.num_logprobs is not None else None)
+                for rid, p in zip(request_ids, params)]
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template_kwargs: dict | None = None) -> list[dict]:
@@ -152,10 +168,9 @@ class LLM:
                 raise InvalidRequestError("prompts", "each prompt must be a str or a list of token ids")
         return result
 
-    @staticmethod
-    def _sampling_list(sampling_params, num_prompts: int) -> list[SamplingParams]:
+    def _sampling_list(self, sampling_params, num_prompts: int) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams() for _ in range(num_prompts)]
+            return [self.default_sampling_params() for _ in range(num_prompts)]
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num_prompts
         params = list(sampling_params)
@@ -184,11 +199,12 @@ class LLM:
         while self.engine.has_unfinished_requests():
             self.engine.step()
 
-    def _result(self, token_ids: list[int], final) -> dict:
+    def _result(self, token_ids: list[int], final, logprobs: list | None) -> dict:
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
         return {
             "text": text,
             "token_ids": token_ids,
             "finish_reason": final.finish_reason.name.lower(),
             "num_cached_tokens": final.num_cached_tokens,
+            "logprobs": logprobs,
         }

@@ -9,9 +9,13 @@ from llmserve.textgen.v1 import textgen_pb2
 
 from services.common.errors import InvalidRequestError
 from services.common.validation import (
-    STOP_TOKEN_IDS, check_fits, check_prompt, check_sampling, check_token_ids, check_wire_sampling)
+    MAX_REQUEST_ID_LEN, STOP_TOKEN_IDS, check_extras, check_fits, check_prompt, check_room_for_completion,
+    check_sampling, check_token_ids, check_wire_sampling)
 from services.tokenizer.stop import validate_stop_strings
 from services.tokenizer.tokenizer import TextTokenizer
+
+
+ENGINE_ID_SUFFIX_LEN = 13  # "-" and 12 hex digits
 
 
 @dataclass(slots=True)
@@ -28,8 +32,10 @@ class ResolvedRequest:
 
     def engine_request(self) -> engine_pb2.GenerateRequest:
         """The engine call. Its id is the caller's plus a fresh suffix: callers' ids need not be unique, and an
-        engine id must be (a retry right after a cancel would otherwise collide with the aborted request)."""
-        return engine_pb2.GenerateRequest(request_id=f"{self.request_id}-{uuid.uuid4().hex[:12]}",
+        engine id must be (a retry right after a cancel would otherwise collide with the aborted request). The
+        caller's part is cut so that the whole id stays within the one request-id rule (check_request_id)."""
+        prefix = self.request_id[:MAX_REQUEST_ID_LEN - ENGINE_ID_SUFFIX_LEN]
+        return engine_pb2.GenerateRequest(request_id=f"{prefix}-{uuid.uuid4().hex[:ENGINE_ID_SUFFIX_LEN - 1]}",
                                           prompt_token_ids=self.prompt_ids, sampling=self.sampling)
 
 
@@ -58,14 +64,19 @@ check_ids = check_token_ids
 
 def resolve_sampling(proto: common_pb2.SamplingParams, defaults: dict, num_prompt_tokens: int,
                      max_model_len: int, default_max_tokens: int, vocab_size: int) -> common_pb2.SamplingParams:
-    """Every field set: the request's value, else the model's generation default; ranges checked."""
-    check_wire_sampling(top_k=proto.top_k if proto.HasField("top_k") else None,
-                        num_logprobs=proto.num_logprobs if proto.HasField("num_logprobs") else None)
+    """Every field set: the request's value, else the model's generation default; ranges checked.
+
+    A repetition_penalty default is sent only when it is not neutral (1); presence and frequency penalties have
+    no model default.
+    """
+    check_wire_sampling(top_k=proto.top_k if proto.HasField("top_k") else None)
     resolved = common_pb2.SamplingParams()
     resolved.CopyFrom(proto)
     for name in ("temperature", "top_p", "min_p"):
         if not proto.HasField(name):
             setattr(resolved, name, float(defaults.get(name, 1.0 if name != "min_p" else 0.0)))
+    if not proto.HasField("repetition_penalty") and defaults.get("repetition_penalty", 1.0) != 1.0:
+        resolved.repetition_penalty = float(defaults["repetition_penalty"])
     if not proto.HasField("top_k") and defaults.get("top_k", 0):
         resolved.top_k = int(defaults["top_k"])
     if not proto.HasField("max_tokens"):
@@ -73,6 +84,9 @@ def resolve_sampling(proto: common_pb2.SamplingParams, defaults: dict, num_promp
     check_sampling(temperature=resolved.temperature, top_k=resolved.top_k, top_p=resolved.top_p,
                    min_p=resolved.min_p, max_tokens=resolved.max_tokens, min_tokens=resolved.min_tokens,
                    seed=resolved.seed if resolved.HasField("seed") else None)
+    check_extras(num_logprobs=resolved.num_logprobs if resolved.HasField("num_logprobs") else None,
+                 repetition_penalty=resolved.repetition_penalty if resolved.HasField("repetition_penalty") else 1.0,
+                 presence_penalty=resolved.presence_penalty, frequency_penalty=resolved.frequency_penalty)
     check_fits(num_prompt_tokens, resolved.max_tokens, max_model_len)
     check_token_ids(STOP_TOKEN_IDS, list(resolved.stop_token_ids), vocab_size)
     return resolved
@@ -82,6 +96,8 @@ def resolve_generate(request: textgen_pb2.GenerateRequest, request_id: str, toke
                      max_model_len: int, default_max_tokens: int) -> ResolvedRequest:
     field, ids = prompt_ids(request, tokenizer)
     check_prompt(field, ids, tokenizer.vocab_size, max_model_len)
+    if not request.sampling.HasField("max_tokens"):
+        check_room_for_completion(field, len(ids), max_model_len)
     sampling = resolve_sampling(request.sampling, tokenizer.generation_defaults(), len(ids), max_model_len,
                                 default_max_tokens, tokenizer.vocab_size)
     return ResolvedRequest(

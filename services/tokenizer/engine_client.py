@@ -1,4 +1,5 @@
-"""The tokenizer service's view of the engine: one channel, a readiness watch, errors mapped to typed ones."""
+"""The tokenizer service's view of one engine replica: a channel, a readiness watch, its load and KV events,
+errors mapped to typed ones."""
 
 import asyncio
 import logging
@@ -58,8 +59,47 @@ class EngineClient:
     def generate(self, request: engine_pb2.GenerateRequest, timeout_s: float | None):
         return self.stub.Generate(request, timeout=timeout_s)
 
+    async def num_queued(self, timeout_s: float = 2.0) -> int | None:
+        """running + waiting from GetLoad, or None when the engine does not answer."""
+        try:
+            load = await self.stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return None
+        return load.num_running + load.num_waiting
+
+    async def follow_kv_events(self, on_event) -> None:
+        """Call on_event(snapshot, stored, removed, num_queued or None) per SubscribeKvEvents message, until the
+        stream ends; raises KvEventsEnded(unimplemented) when it does (the engine went away, or never had it)."""
+        call = self.stub.SubscribeKvEvents(engine_pb2.SubscribeKvEventsRequest())
+        try:
+            async for event in call:
+                queued = event.load.num_running + event.load.num_waiting if event.HasField("load") else None
+                on_event(event.snapshot, event.stored_block_hashes, event.removed_block_hashes, queued)
+        except grpc.aio.AioRpcError as exc:
+            raise KvEventsEnded(exc.code().name) from None
+        finally:
+            call.cancel()
+        raise KvEventsEnded("OK")
+
     async def close(self) -> None:
         await self.channel.close()
+
+
+class KvEventsEnded(Exception):
+    """A SubscribeKvEvents stream ended. `unimplemented`: the engine has no such RPC (an older build);
+    `lagged`: the engine dropped this subscriber for reading too slowly (subscribing again at once is right)."""
+
+    def __init__(self, code: str):
+        super().__init__(f"KV events ended with {code}")
+        self.unimplemented = code == "UNIMPLEMENTED"
+        self.lagged = code == "RESOURCE_EXHAUSTED"
+
+
+def is_retryable_elsewhere(exc: BaseException) -> bool:
+    """An engine call that failed this way before any message may be tried on another replica: the replica is
+    full (RESOURCE_EXHAUSTED) or gone or draining (UNAVAILABLE); it ran nothing the client could have seen."""
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                                     grpc.StatusCode.UNAVAILABLE)
 
 
 class EngineStream:
@@ -73,6 +113,7 @@ class EngineStream:
     def __init__(self, call):
         self._call = call
         self._ids: list[int] = []
+        self._logprobs: list = []  # common_pb2.PositionLogprobs, one per id, when the request asked for them
         self._last: engine_pb2.GenerateResponse | None = None
         self._num_new = 0
         self._ended = False
@@ -84,6 +125,8 @@ class EngineStream:
         try:
             async for response in self._call:
                 self._ids += response.token_ids
+                if response.logprobs:
+                    self._logprobs += response.logprobs
                 self._last = response
                 self._num_new += 1
                 if self._waiter is not None:
@@ -112,6 +155,11 @@ class EngineStream:
             return [], None
         ids, self._ids, self._num_new = self._ids, [], 0
         return ids, self._last
+
+    def take_logprobs(self) -> list:
+        """The PositionLogprobs of the ids the last take() returned (empty when the request asked for none)."""
+        logprobs, self._logprobs = self._logprobs, []
+        return logprobs
 
     def cancel(self) -> None:
         """Cancel the engine call (the engine aborts the request) and stop reading."""

@@ -1,4 +1,8 @@
-"""`llmserve-tokenizer` (`python -m services.tokenizer`): the public API in front of an engine service.
+"""`llmserve-tokenizer` (`python -m services.tokenizer`): the public API in front of engine replicas.
+
+`--engine` names one or more engine targets (repeated and/or comma-separated); a DNS name stands for every
+address it resolves to (a Kubernetes headless Service, a compose service scaled to N), resolved again as replicas
+come and go. `--routing` picks a replica per request (services/tokenizer/routing.py has the rule).
 
 With `--workers N`, N processes share the port (services.common.reuseport); each is a full relay with its
 own tokenizer, engine channel and health. This process is the first of them and prints the listening line.
@@ -8,11 +12,12 @@ import argparse
 import asyncio
 import logging
 import os
-import sys
 
 from services.common.grpc_server import ServingState, build_server, configure_logging, run_until_signalled
 from services.common.metrics import MetricsEndpoint, add_observability_args, check_observability_args
-from services.common.reuseport import WorkerGroup, reserve_port
+from services.common.reuseport import WorkerGroup, exit_after_drain, reserve_port
+from services.tokenizer.routing import Routing
+from services.tokenizer.routing_targets import parse_targets
 
 logger = logging.getLogger("llmserve.tokenizer")
 MAX_DEFAULT_WORKERS = 4
@@ -28,7 +33,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      description="llmserve tokenizer service (public TextGenerationService)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in containers)")
     parser.add_argument("--port", type=int, default=50051, help="port to listen on (0 = any free port)")
-    parser.add_argument("--engine", default="127.0.0.1:50052", help="engine service address HOST:PORT")
+    parser.add_argument("--engine", action="append", metavar="HOST:PORT[,HOST:PORT...]",
+                        help="engine replica targets, repeated or comma-separated; a DNS name means every address "
+                             "it resolves to, re-resolved every few seconds (default: 127.0.0.1:50052)")
+    parser.add_argument("--routing", type=Routing, choices=list(Routing), default=Routing.PREFIX,
+                        help="how a request picks a replica: prefix (longest cached prompt prefix unless that "
+                             "replica is too busy), least-load, round-robin (default: %(default)s)")
     parser.add_argument("--model", default=None,
                         help="tokenizer source: HF checkpoint directory or .gguf file (default: the embedded model)")
     parser.add_argument("--workers", type=int, default=default_workers(),
@@ -43,6 +53,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.workers < 1:
         parser.error("--workers must be at least 1")
     check_observability_args(parser, args)
+    args.engine = ",".join(args.engine or ["127.0.0.1:50052"])  # one string, as a single --engine reads
+    try:
+        args.engine_targets = parse_targets([args.engine])
+    except ValueError as exc:
+        parser.error(f"--engine: {exc}")
     if args.model == "":
         args.model = None
     return args
@@ -52,16 +67,16 @@ async def serve(args: argparse.Namespace, port: int, workers: WorkerGroup | None
                 endpoint: MetricsEndpoint | None = None) -> None:
     """One relay process on `port`; the first one (the caller of main) also supervises `workers` and serves
     the metrics `endpoint`."""
-    from services.tokenizer.engine_client import EngineClient
+    from services.tokenizer.engine_pool import EnginePool
     from services.tokenizer.limits import InputLimits
-    from services.tokenizer.server import SERVICE_NAME, TextGenerationServicer, keep_health_in_step
+    from services.tokenizer.server import SERVICE_NAME, TextGenerationServicer, health_follower
     from services.tokenizer.tokenizer import TextTokenizer
 
     tokenizer = await asyncio.to_thread(TextTokenizer.load, args.model)
-    engine = EngineClient(args.engine, tokenizer.fingerprint())
     state = ServingState(SERVICE_NAME)
+    engines = EnginePool(args.engine_targets, tokenizer.fingerprint(), args.routing, health_follower(state))
     limits = await asyncio.to_thread(InputLimits.of, tokenizer)
-    servicer = TextGenerationServicer(tokenizer, engine, state, args.default_max_tokens, limits, _metrics(args))
+    servicer = TextGenerationServicer(tokenizer, engines, state, args.default_max_tokens, limits, _metrics(args))
     server = build_server([SERVICE_NAME], state, servicer.register, reuse_port=args.workers > 1,
                           max_receive_bytes=limits.receive_bytes(tokenizer.context_length()))
     port = server.add_insecure_port(f"{args.host}:{port}")
@@ -70,15 +85,14 @@ async def serve(args: argparse.Namespace, port: int, workers: WorkerGroup | None
     is_first = workers is not None
     if is_first:
         print(f"llmserve-tokenizer listening on {args.host}:{port} (engine {args.engine}, "
-              f"{args.workers} worker{'s' if args.workers > 1 else ''})", flush=True)
+              f"routing {args.routing.value}, {args.workers} worker{'s' if args.workers > 1 else ''})", flush=True)
     if endpoint is not None:
         metrics_port = endpoint.start(args.host, args.metrics_port)
         print(f"llmserve-tokenizer metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
-    watcher = asyncio.create_task(keep_health_in_step(engine, state))
+    await engines.start()
 
     async def stop_watch() -> None:
-        watcher.cancel()
-        await engine.close()
+        await engines.close()
 
     await run_until_signalled(server, state, args.grace_period, stop_watch, workers, handle_sigint=is_first)
 
@@ -100,6 +114,7 @@ def serve_worker(args: argparse.Namespace, port: int) -> None:
     finally:
         if args.metrics_port:  # its in-flight gauge leaves the sum; its counts stay
             MetricsEndpoint.mark_dead([os.getpid()])
+    exit_after_drain(0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -118,8 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if endpoint is not None:
             endpoint.close()
-    if workers.exit_code:
-        sys.exit(workers.exit_code)
+    exit_after_drain(workers.exit_code)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,13 @@ from services.common.convert import RequestClock
 from services.common.errors import UnavailableError
 from services.common.grpc_server import ServingState, request_id_var, status_code_name
 from services.common.metrics import RequestObserver, RequestRecord
+from services.common.validation import check_request_id, loggable_request_id
 from services.tokenizer.convert import ResolvedRequest, check_ids, prompt_ids, resolve_generate
-from services.tokenizer.engine_client import EngineClient, EngineStream, upstream_error, watch_engine
+from services.tokenizer.engine_client import (
+    EngineClient, EngineStream, is_retryable_elsewhere, upstream_error, watch_engine)
+from services.tokenizer.engine_pool import EnginePool, Member, SingleEngine
 from services.tokenizer.limits import INLINE_MAX_CHARS, InputLimits
+from services.tokenizer.metrics import record_engine_result
 from services.tokenizer.text_stream import TextStream
 from services.tokenizer.tokenizer import TextTokenizer
 
@@ -23,15 +27,16 @@ SERVICE_NAME = textgen_pb2.DESCRIPTOR.services_by_name["TextGenerationService"].
 
 
 class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
-    """Text in, text deltas out; the engine sees only token ids."""
+    """Text in, text deltas out; the engines see only token ids."""
 
-    def __init__(self, tokenizer: TextTokenizer, engine: EngineClient, state: ServingState,
+    def __init__(self, tokenizer: TextTokenizer, engines: EnginePool | EngineClient, state: ServingState,
                  default_max_tokens: int = 256, limits: InputLimits | None = None, metrics=None):
-        """metrics: this worker's TokenizerMetrics (services.tokenizer.metrics), or None when they are off."""
+        """engines: the EnginePool, or one EngineClient that the caller keeps checked (keep_health_in_step).
+        metrics: this worker's TokenizerMetrics (services.tokenizer.metrics), or None when they are off."""
         self.tokenizer = tokenizer
         self.requests = RequestObserver(logger, metrics)
         self.limits = limits if limits is not None else InputLimits.of(tokenizer)
-        self.engine = engine
+        self.engines = SingleEngine(engines) if isinstance(engines, EngineClient) else engines
         self.state = state
         self.default_max_tokens = default_max_tokens
 
@@ -41,15 +46,17 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
     async def Generate(self, request: textgen_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         clock = RequestClock()
         request_id = request.request_id or uuid.uuid4().hex
-        request_id_var.set(request_id)
-        with self.requests.track(request_id, clock, lambda exc: status_code_name(exc, context)) as record:
+        with self.requests.track(loggable_request_id(request_id), clock, lambda exc: status_code_name(exc, context)) as record:
+            if request.request_id:
+                check_request_id(request.request_id)
+            request_id_var.set(request_id)
             await self._generate(request, request_id, clock, context, record)
 
     async def _generate(self, request: textgen_pb2.GenerateRequest, request_id: str, clock: RequestClock,
                         context: grpc.aio.ServicerContext, record: RequestRecord) -> None:
         if self.state.draining:
             raise UnavailableError("tokenizer service is draining")
-        info = self.engine.require_info()
+        info = self.engines.require_info()
         size = self.limits.check_prompt(request, info.max_model_len)
         args = (request, request_id, self.tokenizer, info.max_model_len, self.default_max_tokens)
         # NOTE: a short prompt is tokenized inline: that takes far less than a thread hop.
@@ -58,17 +65,47 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
         text_stream = TextStream(self.tokenizer, resolved.prompt_ids, resolved.stops,
                                  resolved.include_stop_str_in_output, resolved.skip_special_tokens)
         record.num_prompt_tokens, record.admitted = len(resolved.prompt_ids), True
-        stream = EngineStream(self.engine.generate(resolved.engine_request(), context.time_remaining()))
-        record.engine = self.engine.target
+        member, stream, first = await self._start(resolved, context, record)
         try:
-            await self._relay(stream, resolved, text_stream, clock, context, record)
+            await self._relay(stream, first, resolved, text_stream, clock, context, record)
         except grpc.aio.AioRpcError as exc:
             record.engine_code = exc.code().name
             raise upstream_error(exc) from None
         finally:
             stream.cancel()
+            self.engines.release(member)
 
-    async def _relay(self, stream: EngineStream, resolved: ResolvedRequest, text_stream: TextStream,
+    async def _start(self, resolved: ResolvedRequest, context: grpc.aio.ServicerContext, record: RequestRecord):
+        """(replica, its stream, the stream's first take()): a replica that is full or gone before its first
+        message hands the request to another one, each tried once; the last one's status goes to the client.
+        `record` names the attempt the request ends on; the metrics count the earlier attempts here."""
+        request = resolved.engine_request()
+        tried: list[Member] = []
+        while (member := self.engines.pick(resolved.prompt_ids, tried)) is not None:
+            if tried:
+                record_engine_result(record.engine, record.engine_code)
+            record.engine, record.engine_code = member.address, None
+            stream = EngineStream(member.client.generate(request, context.time_remaining()))
+            try:
+                return member, stream, await stream.take()
+            except grpc.aio.AioRpcError as exc:
+                stream.cancel()
+                self.engines.release(member)
+                record.engine_code = exc.code().name
+                if not is_retryable_elsewhere(exc):
+                    raise upstream_error(exc) from None
+                tried.append(member)
+                error = exc
+                logger.info("engine %s answered %s; trying another replica", member.address, exc.code().name)
+            except BaseException:
+                stream.cancel()
+                self.engines.release(member)
+                raise
+        if tried:
+            raise upstream_error(error) from None
+        raise UnavailableError("no engine replica is available")
+
+    async def _relay(self, stream: EngineStream, first: tuple, resolved: ResolvedRequest, text_stream: TextStream,
                      clock: RequestClock, context: grpc.aio.ServicerContext, record: RequestRecord) -> None:
         """Engine messages -> client messages, one per batch of ids that arrived while the previous write was
         under way; on a stop-string match, finish and leave (the caller cancels the engine call).
@@ -77,17 +114,22 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
         The timing on the last message is this service's own (RequestTiming is measured by its sender).
         """
         num_ids = 0
+        taken = first
         while True:
-            ids, engine_response = await stream.take()
+            ids, engine_response = taken if taken is not None else await stream.take()
+            taken = None
             if engine_response is None:
                 raise UnavailableError("the engine stream ended without a finish reason")
             if ids:
                 clock.mark_token()
+            logprobs = stream.take_logprobs()
             ids, delta, matched = _push(text_stream, ids, bool(resolved.stops))
             num_ids += len(ids)
             record.num_completion_tokens = num_ids  # a cancelled call logs its count
             response = textgen_pb2.GenerateResponse(request_id=resolved.request_id, text=delta, token_ids=ids,
                                                     usage=engine_response.usage)
+            if logprobs:
+                response.logprobs.extend(client_logprobs(self.tokenizer, logprobs, len(ids)))
             if matched is not None:
                 response.usage.completion_tokens = num_ids  # the ids past the match are not the client's
                 response.finish_reason = common_pb2.FINISH_REASON_STOP
@@ -127,12 +169,14 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     async def GetModelInfo(self, request, context) -> textgen_pb2.GetModelInfoResponse:
-        info = self.engine.require_info()
+        info = self.engines.require_info()
         defaults = self.tokenizer.generation_defaults()
         sampling = common_pb2.SamplingParams(temperature=defaults["temperature"], top_p=defaults["top_p"],
                                              min_p=defaults["min_p"], max_tokens=self.default_max_tokens)
         if defaults["top_k"]:
             sampling.top_k = int(defaults["top_k"])
+        if defaults["repetition_penalty"] != 1.0:
+            sampling.repetition_penalty = defaults["repetition_penalty"]
         response = textgen_pb2.GetModelInfoResponse(
             model_name=info.model_name or self.tokenizer.name, vocab_size=self.tokenizer.vocab_size,
             max_model_len=info.max_model_len, eos_token_ids=self.tokenizer.eos_token_ids,
@@ -144,14 +188,18 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
 
 
 async def keep_health_in_step(engine: EngineClient, state: ServingState) -> None:
-    """Report ready only while the engine answers with a matching tokenizer."""
+    """Report ready only while one engine answers with a matching tokenizer (the single-client wiring)."""
+    await watch_engine(engine, health_follower(state))
+
+
+def health_follower(state: ServingState):
+    """on_ready for the EnginePool: ready while an engine replica answers with a matching tokenizer."""
 
     async def on_change(ready: bool) -> None:
         if not state.draining:
             await state.mark_ready(ready)
 
-    await watch_engine(engine, on_change)
-
+    return on_change
 
 
 def _finish(record: RequestRecord, response: textgen_pb2.GenerateResponse) -> None:
@@ -170,3 +218,13 @@ def _push(text_stream: TextStream, ids: list[int], has_stops: bool) -> tuple[lis
         if matched is not None:
             return ids[:count], "".join(deltas), matched
     return ids, "".join(deltas), None
+
+
+def client_logprobs(tokenizer: TextTokenizer, logprobs: list, num_ids: int) -> list:
+    """The engine's PositionLogprobs of the first `num_ids` ids (those the client gets: a stop-string match cuts
+    the batch), with each token's text filled in (one batched decode)."""
+    positions = [common_pb2.PositionLogprobs(sampled=p.sampled, top=p.top) for p in logprobs[:num_ids]]
+    entries = [entry for p in positions for entry in (p.sampled, *p.top)]
+    for entry, text in zip(entries, tokenizer.token_texts([entry.token_id for entry in entries])):
+        entry.text = text
+    return positions

@@ -14,12 +14,12 @@ from jinja2 import TemplateError
 
 from services.common.default_model import default_model_path as shared_default_model_path
 from services.common.default_model import model_display_name
+from services.common.generation_defaults import NEUTRAL_SAMPLING, sampling_defaults
 from services.common.fingerprint import tokenizer_fingerprint
 from services.tokenizer.errors import InvalidRequestError, TokenizerLoadError
 from services.tokenizer.gguf_header import read_metadata
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
-FALLBACK_SAMPLING_DEFAULTS: dict[str, float | int] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -65,7 +65,8 @@ class TextTokenizer:
         self._source = source
         self._fingerprint: str | None = None
         self._eos_token_ids = _collect_eos_ids(hf_tokenizer, generation_config)
-        self._generation_defaults = _sampling_defaults(generation_config)
+        config_values = {key: getattr(generation_config, key, None) for key in NEUTRAL_SAMPLING}
+        self._generation_defaults = sampling_defaults(source.name, config_values)
 
     @classmethod
     def load(cls, model: str | None = None) -> "TextTokenizer":
@@ -157,6 +158,12 @@ class TextTokenizer:
             return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """The text of each id decoded alone, special tokens kept (log-probabilities' `text`)."""
+        if self._backend is not None:
+            return self._backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
+        return [self._hf.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False) for i in ids]
+
     def context_length(self) -> int | None:
         """The model's longest context (config.json's max_position_embeddings, or the GGUF's context_length): it
         caps the engine's max_model_len. None when the source does not say (a tokenizer-only directory)."""
@@ -169,7 +176,8 @@ class TextTokenizer:
         return self._fingerprint
 
     def generation_defaults(self) -> dict[str, float | int]:
-        """temperature, top_p, top_k and min_p from the model's generation config, else neutral values."""
+        """temperature, top_p, top_k, min_p and repetition_penalty: the generation config's values, else the model
+        card's (the embedded model's), else neutral ones (services.common.generation_defaults)."""
         return dict(self._generation_defaults)
 
 
@@ -226,12 +234,3 @@ def _collect_eos_ids(hf_tokenizer: Any, generation_config: Any | None) -> list[i
     elif isinstance(extra, Sequence):
         candidates.extend(int(i) for i in extra)
     return list(dict.fromkeys(candidates))
-
-
-def _sampling_defaults(generation_config: Any | None) -> dict[str, float | int]:
-    defaults = dict(FALLBACK_SAMPLING_DEFAULTS)
-    for key, fallback in FALLBACK_SAMPLING_DEFAULTS.items():
-        value = getattr(generation_config, key, None)
-        if value is not None:
-            defaults[key] = type(fallback)(value)
-    return defaults

@@ -74,6 +74,13 @@ def fake_reply(request: textgen_pb2.GenerateRequest) -> FakeReply:
     return FakeReply(pieces, token_ids, common_pb2.FINISH_REASON_STOP, matched_stop_token_id=EOS_ID)
 
 
+def fake_logprobs(token_id: int, text: str, num_top: int) -> common_pb2.PositionLogprobs:
+    """The sampled token at logprob -0.5, then `num_top` alternatives of ids token_id+k at -0.5-k."""
+    sampled = common_pb2.TokenLogprob(token_id=token_id, logprob=-0.5, text=text)
+    top = [common_pb2.TokenLogprob(token_id=token_id + k, logprob=-0.5 - k, text=f"t{k}") for k in range(num_top)]
+    return common_pb2.PositionLogprobs(sampled=sampled, top=top)
+
+
 def _abort(context: grpc.ServicerContext, code: int, message: str, *details: object) -> None:
     status = status_pb2.Status(code=code, message=message)
     for detail in details:
@@ -121,6 +128,8 @@ class FakeTextGeneration(textgen_pb2_grpc.TextGenerationServiceServicer):
             response.token_ids.append(reply.token_ids[index])
             response.usage.prompt_tokens = num_prompt
             response.usage.completion_tokens = index + 1
+            if request.sampling.HasField("num_logprobs"):
+                response.logprobs.append(fake_logprobs(reply.token_ids[index], piece, request.sampling.num_logprobs))
             if last:
                 response.finish_reason = reply.finish_reason
                 if reply.matched_stop_token_id is not None:

@@ -8,6 +8,8 @@ import select
 import subprocess
 import sys
 
+import pytest
+
 from llmserve.textgen.v1 import textgen_pb2
 from tests.contracts import fake_textgen
 from tests.contracts.conftest import REPO_ROOT
@@ -86,6 +88,34 @@ def test_generate_json_prints_the_final_result(fake_server):
     assert result["text"] == "".join(want.pieces)
     request = fake_server.servicer.requests[-1]
     assert request.sampling.HasField("temperature") and request.sampling.temperature == 0.0
+
+
+def test_logprobs_and_penalty_flags_reach_the_request_and_the_json(fake_server):
+    proc = run_cli("generate", "a b", "--logprobs", "2", "--repetition-penalty", "1.2", "--presence-penalty", "0.5",
+                   "--frequency-penalty", "-0.25", "--json", "--target", fake_server.target)
+    assert proc.returncode == 0, proc.stderr
+    sampling = fake_server.servicer.requests[-1].sampling
+    assert (sampling.num_logprobs, sampling.repetition_penalty, sampling.presence_penalty,
+            sampling.frequency_penalty) == (2, pytest.approx(1.2), 0.5, -0.25)
+    logprobs = json.loads(proc.stdout)["logprobs"]
+    assert len(logprobs) == 3  # "b", "a", EOS
+    assert logprobs[0]["sampled"] == {"token_id": 100, "text": "b ", "logprob": -0.5}
+    assert [entry["text"] for entry in logprobs[0]["top"]] == ["t0", "t1"]
+
+
+def test_streamed_logprobs_go_to_stderr_after_the_text(fake_server):
+    proc = run_cli("generate", "a b", "--logprobs", "1", "--target", fake_server.target)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "b a \n"  # the fake answers with the words reversed
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 3 and lines[0].split()[:2] == ["-0.5000", "'b"] and "'t0' -0.500" in lines[0]
+
+
+def test_without_logprobs_the_json_has_none(fake_server):
+    proc = run_cli("generate", "a b", "--json", "--target", fake_server.target)
+    assert proc.returncode == 0, proc.stderr
+    assert "logprobs" not in json.loads(proc.stdout)
+    assert not fake_server.servicer.requests[-1].sampling.HasField("num_logprobs")
 
 
 def test_chat_and_system_flags_send_chat_messages(fake_server):

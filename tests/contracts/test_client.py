@@ -82,9 +82,19 @@ def test_set_sampling_fields_are_present_and_the_rest_unset(client, fake_server)
     assert (request.sampling.top_k, request.sampling.seed) == (5, 7)
     assert list(request.sampling.stop_token_ids) == [9]
     assert list(request.stop) == ["zzz"]
-    unset = ("top_p", "min_p", "max_tokens", "min_tokens", "ignore_eos", "num_logprobs")
+    unset = ("top_p", "min_p", "max_tokens", "min_tokens", "ignore_eos", "num_logprobs", "repetition_penalty",
+             "presence_penalty", "frequency_penalty")
     assert [name for name in unset if request.sampling.HasField(name)] == []
     assert not request.HasField("skip_special_tokens")
+
+
+def test_logprobs_come_back_with_each_tokens_text(client, fake_server):
+    result = client.complete("a b", num_logprobs=1, frequency_penalty=0.5)
+    assert fake_server.servicer.requests[-1].sampling.frequency_penalty == 0.5
+    assert [p.sampled.text for p in result.logprobs] == ["b ", "a ", ""]
+    assert result.logprobs[0].sampled.logprob == -0.5
+    assert [(t.token_id, t.text) for t in result.logprobs[0].top] == [(100, "t0")]
+    assert result.to_dict()["logprobs"][0]["top"] == [{"token_id": 100, "text": "t0", "logprob": -0.5}]
 
 
 def test_max_tokens_ends_with_length(client):

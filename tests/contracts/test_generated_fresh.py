@@ -35,7 +35,7 @@ def test_staleness_check_catches_a_proto_edited_without_regenerating(tmp_path):
     text = common.read_text()
     marker = "  optional uint32 num_logprobs = 10;\n"
     assert marker in text
-    common.write_text(text.replace(marker, marker + "  // An added field.\n  optional float extra = 11;\n"))
+    common.write_text(text.replace(marker, marker + "  // An added field.\n  optional float extra = 99;\n"))
     problems = gen_protos.stale_files(protos, CLIENT_ROOT)
     assert "differs: llmserve/common/v1/common_pb2.py" in problems
     assert "differs: llmserve/common/v1/common_pb2.pyi" in problems

@@ -185,6 +185,20 @@ def wait_health(target: str, service: str, status: int = health_pb2.HealthCheckR
     poll_until(probe, timeout_s, f"{service or '(server)'} at {target} to be {name}", interval_s=0.1)
 
 
+SERVING_LINE = re.compile(r"process (\d+) serving")
+
+
+def wait_all_serving(process: LoggedProcess, num_processes: int, timeout_s: float = MODEL_LOAD_TIMEOUT_S) -> None:
+    """Wait until `num_processes` distinct processes of a service logged that they serve (each worker of a
+    shared port logs its own health flips), so no later connection can land on a worker still booting."""
+
+    def probe() -> bool | None:
+        pids = {match.group(1) for line in process.lines if (match := SERVING_LINE.search(line))}
+        return True if len(pids) >= num_processes else None
+
+    poll_until(probe, timeout_s, f"{num_processes} {process.name} processes to serve", interval_s=0.1)
+
+
 def start_engine(port: int = 0, extra: list[str] | None = None) -> ServiceProcess:
     return ServiceProcess("engine", SMALL_ENGINE_FLAGS + (extra or []), port)
 

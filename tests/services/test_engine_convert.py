@@ -19,16 +19,23 @@ def test_unset_fields_are_neutral_and_max_tokens_fills_the_context():
     assert (sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p) == (1.0, 0, 1.0, 0.0)
     assert (sampling.seed, sampling.max_tokens, sampling.min_tokens, sampling.ignore_eos) == (None, 54, 0, False)
     assert sampling.stop_token_ids == []
-    assert sampling_from_proto(common_pb2.SamplingParams(), MAX_MODEL_LEN + 5, MAX_MODEL_LEN).max_tokens == 1
+    assert (sampling.num_logprobs, sampling.repetition_penalty, sampling.presence_penalty,
+            sampling.frequency_penalty) == (None, 1.0, 0.0, 0.0)
+    with pytest.raises(InvalidRequestError) as error:  # no room and max_tokens unset: the prompt is to blame
+        sampling_from_proto(common_pb2.SamplingParams(), MAX_MODEL_LEN + 5, MAX_MODEL_LEN)
+    assert error.value.field == "prompt_token_ids"
 
 
 def test_set_fields_are_kept():
     proto = common_pb2.SamplingParams(temperature=0.5, top_k=4, top_p=0.75, min_p=0.125, seed=9, max_tokens=7,
-                                      min_tokens=2, ignore_eos=True, stop_token_ids=[5, 6])
+                                      min_tokens=2, ignore_eos=True, stop_token_ids=[5, 6], num_logprobs=0,
+                                      repetition_penalty=1.25, presence_penalty=-0.5, frequency_penalty=0.75)
     sampling = sampling_from_proto(proto, 10, MAX_MODEL_LEN)
     assert (sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p) == (0.5, 4, 0.75, 0.125)
     assert (sampling.seed, sampling.max_tokens, sampling.min_tokens, sampling.ignore_eos) == (9, 7, 2, True)
     assert sampling.stop_token_ids == [5, 6]
+    assert (sampling.num_logprobs, sampling.repetition_penalty, sampling.presence_penalty,
+            sampling.frequency_penalty) == (0, 1.25, -0.5, 0.75)
 
 
 @pytest.mark.parametrize("fields, field", [
@@ -39,7 +46,10 @@ def test_set_fields_are_kept():
     (dict(min_p=1.0), "sampling.min_p"),
     (dict(max_tokens=0), "sampling.max_tokens"),
     (dict(max_tokens=3, min_tokens=4), "sampling.min_tokens"),
-    (dict(num_logprobs=2), "sampling.num_logprobs"),
+    (dict(num_logprobs=21), "sampling.num_logprobs"),
+    (dict(repetition_penalty=-1.0), "sampling.repetition_penalty"),
+    (dict(presence_penalty=2.5), "sampling.presence_penalty"),
+    (dict(frequency_penalty=math.nan), "sampling.frequency_penalty"),
 ], ids=str)
 def test_out_of_range_values_name_the_contract_field(fields, field):
     with pytest.raises(InvalidRequestError) as caught:
@@ -59,3 +69,14 @@ def test_matched_stop_token_id_is_passed_on_only_for_a_stop():
         response = response_from_output(output(finish_reason, [7]), clock)
         assert not response.HasField("matched_stop_token_id"), finish_reason
     assert response_from_output(output(None, [7]), clock).finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+def test_logprobs_go_out_one_entry_per_token():
+    from services.engine.core.interfaces import TokenLogprobs
+
+    logprobs = [TokenLogprobs(-0.5, [7, 3], [-0.5, -1.5]), TokenLogprobs(-2.0, [], [])]
+    response = response_from_output(RequestOutput("r", [7, 9], None, 3, 2, 0, logprobs=logprobs), RequestClock())
+    assert [(p.sampled.token_id, p.sampled.logprob) for p in response.logprobs] == [(7, -0.5), (9, -2.0)]
+    assert [(t.token_id, t.logprob) for t in response.logprobs[0].top] == [(7, -0.5), (3, -1.5)]
+    assert not response.logprobs[1].top
+    assert not response_from_output(output(None, [7]), RequestClock()).logprobs

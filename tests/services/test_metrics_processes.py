@@ -24,7 +24,7 @@ from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc
 from llmserve.textgen.v1 import textgen_pb2, textgen_pb2_grpc
 from tests.services.helpers import wait_engine_idle
 from tests.services.procs import (
-    ENGINE_SERVICE, HOST, TEXTGEN_SERVICE, ServiceProcess, free_port, poll_until, wait_health)
+    ENGINE_SERVICE, HOST, TEXTGEN_SERVICE, ServiceProcess, free_port, poll_until, wait_all_serving, wait_health)
 
 pytestmark = pytest.mark.slow
 
@@ -73,11 +73,13 @@ def services(tiny_model) -> Iterator[tuple[Observed, Observed]]:
             "--model", tiny_model, "--api-workers", "2", "--metrics-port", str(engine_metrics), "--log-format", "json",
             "--max-model-len", "1024", "--num-kvcache-blocks", str(NUM_KV_BLOCKS), "--grace-period", "1"]))
         wait_health(started[0].target, ENGINE_SERVICE, process=started[0])
+        wait_all_serving(started[0], 2)
         tokenizer_metrics = free_port()
         started.append(ServiceProcess("tokenizer", [
             "--engine", started[0].target, "--model", tiny_model, "--workers", "2", "--metrics-port",
             str(tokenizer_metrics), "--log-format", "json", "--grace-period", "1"]))
         wait_health(started[1].target, TEXTGEN_SERVICE, process=started[1])
+        wait_all_serving(started[1], 2)
         yield Observed(started[0], engine_metrics), Observed(started[1], tokenizer_metrics)
     finally:
         for process in reversed(started):
@@ -86,7 +88,7 @@ def services(tiny_model) -> Iterator[tuple[Observed, Observed]]:
 
 def engine_request(index: int) -> engine_pb2.GenerateRequest:
     return engine_pb2.GenerateRequest(
-        request_id=EVIL_ID if index == 0 else f"direct-{index}", prompt_token_ids=list(range(100 + index, 108 + index)),
+        request_id=f"direct-{index}", prompt_token_ids=list(range(100 + index, 108 + index)),
         sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=3 + index % 5, ignore_eos=True))
 
 
@@ -188,9 +190,11 @@ def test_json_request_lines_carry_the_fields_and_keep_a_forged_id_on_one_line(se
         "completion_tokens": usage.completion_tokens, "cached_tokens": usage.cached_tokens,
         "engine": engine.process.target}
     assert 0 < entry["ttft_s"] <= entry["e2e_s"]
+    forged = engine_pb2.GenerateRequest(request_id=EVIL_ID, prompt_token_ids=[1, 2, 3])
+    assert rejected(engine.process.target, engine_pb2_grpc.EngineServiceStub, forged) == grpc.StatusCode.INVALID_ARGUMENT
     evil = poll_until(lambda: next((e for e in engine.request_lines() if e["request_id"] == EVIL_ID), None),
-                      SCRAPE_TIMEOUT_S, "the engine's line for the forged id")
-    assert evil["queue_s"] >= 0 and evil["completion_tokens"] == 3
+                      SCRAPE_TIMEOUT_S, "the engine's line for the refused forged id")
+    assert evil["code"] == "INVALID_ARGUMENT" and evil["completion_tokens"] == 0
     for observed in (engine, tokenizer):  # every log line is one JSON object: none in text, none forged
         lines = observed.process.lines
         assert not [line for line in lines if TEXT_LOG_LINE.match(line) or line.startswith('{"forged"')]

@@ -90,7 +90,10 @@ def rejection(request: textgen_pb2.GenerateRequest) -> tuple[str, str]:
     (dict(max_tokens=MAX_MODEL_LEN - 3), "sampling.max_tokens", "prompt (4) + max_tokens (29) exceeds"),
     (dict(min_tokens=5, max_tokens=4), "sampling.min_tokens", "max_tokens=4"),
     (dict(stop_token_ids=[5, VOCAB_SIZE]), "sampling.stop_token_ids", f"token id {VOCAB_SIZE} "),
-    (dict(num_logprobs=0), "sampling.num_logprobs", "not supported"),
+    (dict(num_logprobs=21), "sampling.num_logprobs", "[0, 20]"),
+    (dict(repetition_penalty=0.0), "sampling.repetition_penalty", "> 0"),
+    (dict(presence_penalty=2.5), "sampling.presence_penalty", "[-2, 2]"),
+    (dict(frequency_penalty=-3.0), "sampling.frequency_penalty", "[-2, 2]"),
     (dict(stop=["ok", ""]), "stop[1]", "must not be empty"),
 ], ids=lambda value: repr(value)[:60] if isinstance(value, dict) else None)
 def test_rejection_names_the_contract_field(request_args, field, says):
@@ -146,6 +149,19 @@ def test_set_fields_win_over_the_defaults():
     sampling = resolve(request, WordTokenizer({"temperature": 0.6, "top_p": 0.9, "top_k": 40, "min_p": 0.05})).sampling
     assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p) == (0.0, 0.5, 3, 0.25)
     assert (sampling.max_tokens, sampling.seed) == (2, 7)
+
+
+def test_a_repetition_penalty_default_applies_unless_the_request_sets_one():
+    tokenizer = WordTokenizer({"temperature": 0.6, "repetition_penalty": 1.2})
+    assert resolve(generate_request(), tokenizer).sampling.repetition_penalty == pytest.approx(1.2)
+    sampling = resolve(generate_request(repetition_penalty=1.0, presence_penalty=0.5), tokenizer).sampling
+    assert (sampling.repetition_penalty, sampling.presence_penalty) == (1.0, 0.5)
+    assert not resolve(generate_request(), WordTokenizer()).sampling.HasField("repetition_penalty")
+
+
+def test_logprobs_and_penalties_pass_through():
+    sampling = resolve(generate_request(num_logprobs=20, frequency_penalty=-2.0)).sampling
+    assert (sampling.num_logprobs, sampling.frequency_penalty) == (20, -2.0)
 
 
 def test_without_model_defaults_unset_fields_are_neutral():

@@ -8,7 +8,7 @@ import pytest
 from llmserve.common.v1 import common_pb2
 from llmserve.engine.v1 import engine_pb2
 from services.tokenizer.engine_client import EngineStream
-from services.tokenizer.server import _push
+from services.tokenizer.server import _push, client_logprobs
 from services.tokenizer.text_stream import TextStream
 
 
@@ -88,3 +88,16 @@ def test_without_stop_strings_a_batch_is_pushed_whole(text_tokenizer):
     tok = text_tokenizer
     ids = tok.encode(" Hello world", add_special_tokens=False)
     assert _push(TextStream(tok, tok.encode("Say:")), ids, has_stops=False) == (ids, " Hello world", None)
+
+
+def test_logprobs_are_cut_with_the_ids_and_carry_each_tokens_text(text_tokenizer):
+    tok = text_tokenizer
+    ids = tok.encode(" Hello world again", add_special_tokens=False)
+    engine_logprobs = [common_pb2.PositionLogprobs(sampled=common_pb2.TokenLogprob(token_id=i, logprob=-1.0),
+                                                   top=[common_pb2.TokenLogprob(token_id=ids[0], logprob=-0.5)])
+                       for i in ids]
+    kept = client_logprobs(tok, engine_logprobs, len(ids) - 1)  # a stop string matched before the last id
+    assert [p.sampled.token_id for p in kept] == ids[:-1]
+    assert [p.sampled.text for p in kept] == [tok.decode([i], skip_special_tokens=False) for i in ids[:-1]]
+    assert all(p.top[0].text == tok.decode([ids[0]]) for p in kept)
+    assert not engine_logprobs[0].sampled.text  # the engine's messages are left as they were

@@ -2,9 +2,9 @@
 
 import pytest
 
+from services.common.generation_defaults import NEUTRAL_SAMPLING
 from services.tokenizer.errors import InvalidRequestError, TokenizerLoadError
 from services.tokenizer.tokenizer import (
-    FALLBACK_SAMPLING_DEFAULTS,
     TextTokenizer,
     default_model_path,
     resolve_model_source,
@@ -118,12 +118,20 @@ def test_directory_without_chat_template_rejects_chat(tmp_path):
     assert excinfo.value.field == "chat"
 
 
-def test_generation_defaults_fall_back_for_gguf(text_tokenizer):
-    assert text_tokenizer.generation_defaults() == FALLBACK_SAMPLING_DEFAULTS
+def test_the_embedded_gguf_takes_its_model_cards_defaults(text_tokenizer):
+    assert text_tokenizer.name == "SmolLM2-135M-Instruct"
+    assert text_tokenizer.generation_defaults() == {
+        "temperature": 0.2, "top_p": 0.9, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def test_another_model_without_a_generation_config_gets_neutral_defaults(tmp_path):
+    tok = TextTokenizer.load(build_tiny_tokenizer_dir(tmp_path, ["hello", "world"]))
+    assert tok.generation_defaults() == NEUTRAL_SAMPLING
 
 
 def test_generation_config_of_a_directory(tmp_path):
-    config = {"temperature": 0.6, "top_k": 20, "eos_token_id": [1, 3]}
+    config = {"temperature": 0.6, "top_k": 20, "repetition_penalty": 1.1, "eos_token_id": [1, 3]}
     tok = TextTokenizer.load(build_tiny_tokenizer_dir(tmp_path, ["hello", "world"], config))
-    assert tok.generation_defaults() == {"temperature": 0.6, "top_p": 1.0, "top_k": 20, "min_p": 0.0}
+    assert tok.generation_defaults() == {"temperature": 0.6, "top_p": 1.0, "top_k": 20, "min_p": 0.0,
+                                         "repetition_penalty": 1.1}
     assert tok.eos_token_ids == [1, 3]

@@ -6,6 +6,7 @@ import pytest
 
 from services.engine.core.errors import InvalidRequestError
 from services.engine.core.sampling_params import SamplingParams
+from services.common.generation_defaults import sampling_defaults
 from services.engine.llm import LLM
 from tests.unit.test_engine_core import VOCAB_SIZE, ScriptedRunner, make_engine
 
@@ -16,6 +17,7 @@ def offline_llm() -> LLM:
     llm.tokenizer = None
     llm.engine = make_engine(ScriptedRunner())
     llm._request_ids = itertools.count()
+    llm.generation_defaults = sampling_defaults("scripted", None)
     return llm
 
 

@@ -111,15 +111,17 @@ def test_max_num_seqs_caps_prefill_batch():
     assert list(scheduler.waiting) == seqs[2:] and seqs[2].block_table == []
 
 
-def test_max_num_seqs_caps_decode_batch_from_the_head():
+def test_max_num_seqs_caps_decode_batch_and_the_rest_waits_without_kv():
+    # NOTE: our refinement of the seed (see the scheduler's docstring): the third is never admitted to
+    # `running` past the cap, so it neither decodes nor holds blocks until a slot frees.
     scheduler = make_scheduler(max_num_seqs=2)
     seqs = [make_seq(3) for _ in range(3)]
     add(scheduler, *seqs)
     step(scheduler)
-    step(scheduler)
     batch, _ = step(scheduler)
     assert not batch.is_prefill and batch.seqs == seqs[:2]
-    assert list(scheduler.running) == seqs
+    assert list(scheduler.running) == seqs[:2]
+    assert list(scheduler.waiting) == seqs[2:] and seqs[2].block_table == []
 
 
 def test_token_budget_caps_decode_batch():

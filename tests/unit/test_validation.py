@@ -6,7 +6,7 @@ import pytest
 
 from services.common.errors import InvalidRequestError
 from services.common.validation import (
-    check_fits, check_prompt, check_sampling, check_token_ids, check_wire_sampling)
+    MAX_LOGPROBS, check_extras, check_fits, check_prompt, check_sampling, check_token_ids, check_wire_sampling)
 
 GOOD = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, max_tokens=16, min_tokens=0, seed=None)
 
@@ -53,16 +53,43 @@ def test_the_first_bad_field_is_reported():
 
 
 def test_wire_only_checks():
-    check_wire_sampling(top_k=None, num_logprobs=None)
-    check_wire_sampling(top_k=1, num_logprobs=None)
+    check_wire_sampling(top_k=None)
+    check_wire_sampling(top_k=1)
     with pytest.raises(InvalidRequestError) as caught:
-        check_wire_sampling(top_k=0, num_logprobs=None)
+        check_wire_sampling(top_k=0)
     assert (caught.value.field, caught.value.description) == (
         "sampling.top_k", "must be >= 1 (leave it unset to disable top-k)")
+
+
+def _extras_error(**overrides) -> InvalidRequestError:
+    values = dict(num_logprobs=None, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
+    values.update(overrides)
     with pytest.raises(InvalidRequestError) as caught:
-        check_wire_sampling(top_k=None, num_logprobs=0)  # set, even to 0
-    assert (caught.value.field, caught.value.description) == (
-        "sampling.num_logprobs", "log-probabilities are not supported yet")
+        check_extras(**values)
+    return caught.value
+
+
+@pytest.mark.parametrize("value", [0, 5, MAX_LOGPROBS])
+def test_num_logprobs_up_to_the_limit_is_accepted(value):
+    check_extras(num_logprobs=value, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (dict(num_logprobs=MAX_LOGPROBS + 1), "sampling.num_logprobs"),
+    (dict(num_logprobs=-1), "sampling.num_logprobs"),
+    (dict(repetition_penalty=0.0), "sampling.repetition_penalty"),
+    (dict(repetition_penalty=float("nan")), "sampling.repetition_penalty"),
+    (dict(repetition_penalty=float("inf")), "sampling.repetition_penalty"),
+    (dict(presence_penalty=2.01), "sampling.presence_penalty"),
+    (dict(presence_penalty=float("nan")), "sampling.presence_penalty"),
+    (dict(frequency_penalty=-2.01), "sampling.frequency_penalty"),
+])
+def test_logprob_and_penalty_ranges(overrides, field):
+    assert _extras_error(**overrides).field == field
+
+
+def test_penalty_bounds_are_inclusive():
+    check_extras(num_logprobs=None, repetition_penalty=0.01, presence_penalty=-2.0, frequency_penalty=2.0)
 
 
 def test_token_ids_must_be_in_the_vocabulary():
@@ -104,3 +131,13 @@ def test_sampling_params_validate_with_the_same_checks_and_change_nothing():
         with pytest.raises(InvalidRequestError) as caught:
             SamplingParams(**changes)
         assert caught.value.field == field
+
+
+def test_a_refused_huge_request_id_is_logged_short():
+    from services.common.validation import MAX_REQUEST_ID_LEN, loggable_request_id
+
+    exact = "a" * MAX_REQUEST_ID_LEN
+    assert loggable_request_id(exact) == exact
+    huge = loggable_request_id("b" * 8_000_000)
+    assert huge.startswith("b" * MAX_REQUEST_ID_LEN + "...") and huge.endswith("(8000000 characters)")
+    assert len(huge) < MAX_REQUEST_ID_LEN + 40

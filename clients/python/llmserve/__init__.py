@@ -19,6 +19,7 @@ _EXPORTS = {
     "SERVICE_NAME": "llmserve.client",
     "LLMServeError": "llmserve.errors",
     "FieldViolation": "llmserve.errors",
+    "RetryPolicy": "llmserve.retry",
     "ChatMessage": "llmserve.datatypes",
     "FinishReason": "llmserve.datatypes",
     "GenerationResult": "llmserve.datatypes",
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
         Usage,
     )
     from llmserve.errors import FieldViolation, LLMServeError
+    from llmserve.retry import RetryPolicy
     from llmserve.stream import AsyncGenerationStream, GenerationStream
 
 

@@ -35,6 +35,9 @@ SAMPLING_FIELDS = (
     "min_tokens",
     "ignore_eos",
     "num_logprobs",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
 )
 
 
@@ -50,6 +53,9 @@ class GenerateOptions(TypedDict, total=False):
     min_tokens: int | None
     ignore_eos: bool | None
     num_logprobs: int | None
+    repetition_penalty: float | None
+    presence_penalty: float | None
+    frequency_penalty: float | None
     stop_token_ids: Sequence[int] | None
     stop: str | Sequence[str] | None
     skip_special_tokens: bool | None
@@ -147,8 +153,8 @@ def _timing(message: common_pb2.RequestTiming) -> Timing:
 def _logprobs(position: common_pb2.PositionLogprobs) -> PositionLogprobs:
     sampled = None
     if position.HasField("sampled"):
-        sampled = TokenLogprob(position.sampled.token_id, position.sampled.logprob)
-    return PositionLogprobs(sampled, tuple(TokenLogprob(t.token_id, t.logprob) for t in position.top))
+        sampled = TokenLogprob(position.sampled.token_id, position.sampled.logprob, position.sampled.text)
+    return PositionLogprobs(sampled, tuple(TokenLogprob(t.token_id, t.logprob, t.text) for t in position.top))
 
 
 class ResultBuilder:

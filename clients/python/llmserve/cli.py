@@ -38,6 +38,12 @@ def _add_generate(subparsers: Any) -> None:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--min-tokens", type=int)
+    parser.add_argument("--logprobs", type=int, metavar="N",
+                        help="also report each token's log-probability and its N most likely alternatives (0-20); "
+                             "printed on stderr after the text, or in --json")
+    parser.add_argument("--repetition-penalty", type=float, help="> 0; 1 = off (transformers' definition)")
+    parser.add_argument("--presence-penalty", type=float, help="[-2, 2]; 0 = off (OpenAI's definition)")
+    parser.add_argument("--frequency-penalty", type=float, help="[-2, 2]; 0 = off (OpenAI's definition)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
     parser.add_argument("--ignore-eos", action="store_const", const=True, default=None)
@@ -77,6 +83,10 @@ def _generate(client: LLMServeClient, args: argparse.Namespace) -> int:
         "seed": args.seed,
         "max_tokens": args.max_tokens,
         "min_tokens": args.min_tokens,
+        "num_logprobs": args.logprobs,
+        "repetition_penalty": args.repetition_penalty,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
         "ignore_eos": args.ignore_eos,
         "stop": args.stop,
         "stop_token_ids": args.stop_token_id,
@@ -101,14 +111,25 @@ def _generate(client: LLMServeClient, args: argparse.Namespace) -> int:
                 sys.stdout.write(delta)
                 sys.stdout.flush()
                 last = delta
-            stream.result()
+            result = stream.result()
         except BaseException:
             if last and not last.endswith("\n"):
                 print(flush=True)  # keep the error message off the partial line
             raise
     if not last.endswith("\n"):
         print()
+    if result.logprobs:
+        _print_logprobs(result.logprobs)
     return EXIT_OK
+
+
+def _print_logprobs(logprobs: list) -> None:
+    """One line per generated token on stderr: its logprob and text, then the alternatives."""
+    for position in logprobs:
+        sampled = position.sampled
+        alternatives = "  ".join(f"{entry.text!r} {entry.logprob:.3f}" for entry in position.top)
+        line = f"{sampled.logprob:9.4f} {sampled.text!r:<16}" if sampled is not None else " " * 26
+        print(f"{line}  | {alternatives}" if alternatives else line, file=sys.stderr)
 
 
 def _health(client: LLMServeClient, args: argparse.Namespace) -> int:

@@ -7,6 +7,9 @@
         print(stream.result().finish_reason)
 
 Every failed call raises LLMServeError (status code, message, BadRequest field violations, RetryInfo delay).
+With `retry=N` (or a llmserve.RetryPolicy), on the client or on one call, a call the server refused before
+sending anything (RESOURCE_EXHAUSTED, UNAVAILABLE) is retried with backoff, waiting RetryInfo's delay when
+the server gave one; a stream that already received a message is never retried.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from llmserve._convert import (
 )
 from llmserve.datatypes import GenerationResult, ModelInfo, ServingStatus, TokenizeResult
 from llmserve.errors import error_from_rpc
+from llmserve.retry import AsyncRetrier, Retrier, RetryPolicy, async_call_with_retry, call_with_retry
 from llmserve.stream import AsyncGenerationStream, GenerationStream
 from llmserve.textgen.v1 import textgen_pb2, textgen_pb2_grpc
 
@@ -37,6 +41,8 @@ TARGET_ENV = "LLMSERVE_TARGET"
 SERVICE_NAME = textgen_pb2.DESCRIPTOR.services_by_name["TextGenerationService"].full_name
 
 Prompt = str | Sequence[int] | Sequence[MessageLike]
+Retry = RetryPolicy | int | None
+_DEFAULT = object()  # a call's `retry` left out: the client's policy applies
 
 
 def resolve_target(target: str | None) -> str:
@@ -52,8 +58,10 @@ class _ClientBase:
         credentials: grpc.ChannelCredentials | None,
         options: Sequence[tuple[str, Any]],
         metadata: Sequence[tuple[str, str]],
+        retry: Retry,
     ) -> None:
         self.target = resolve_target(target)
+        self.retry = RetryPolicy.of(retry)
         if credentials is None:
             self._channel = channel_module.insecure_channel(self.target, options=list(options))
         else:
@@ -61,6 +69,9 @@ class _ClientBase:
         self._stub = textgen_pb2_grpc.TextGenerationServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._metadata = tuple(metadata)
+
+    def _policy(self, retry: Any) -> RetryPolicy | None:
+        return self.retry if retry is _DEFAULT else RetryPolicy.of(retry)
 
 
 class LLMServeClient(_ClientBase):
@@ -73,14 +84,15 @@ class LLMServeClient(_ClientBase):
         credentials: grpc.ChannelCredentials | None = None,
         options: Sequence[tuple[str, Any]] = (),
         metadata: Sequence[tuple[str, str]] = (),
+        retry: Retry = None,
     ) -> None:
-        super().__init__(grpc, target, credentials, options, metadata)
+        super().__init__(grpc, target, credentials, options, metadata, retry)
 
     def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
-        try:
-            return method(request, timeout=timeout, metadata=self._metadata)
-        except grpc.RpcError as err:
-            raise error_from_rpc(err) from None
+        def invoke(remaining: float | None) -> Any:
+            return method(request, timeout=remaining, metadata=self._metadata)
+
+        return call_with_retry(self.retry, timeout, invoke, error_from_rpc)
 
     def generate(
         self,
@@ -88,17 +100,20 @@ class LLMServeClient(_ClientBase):
         *,
         messages: Sequence[MessageLike] | None = None,
         timeout: float | None = None,
+        retry: Retry | object = _DEFAULT,
         **options: Unpack[GenerateOptions],
     ) -> GenerationStream:
         """Start generating for a text, token-id or chat prompt; iterate the result for text deltas.
 
         Options are the sampling fields (temperature, top_p, top_k, min_p, seed, max_tokens, min_tokens,
         ignore_eos, num_logprobs, stop_token_ids), stop strings, skip_special_tokens, include_stop_str_in_output
-        and request_id; left out or None means the server's default. `timeout` bounds the whole stream.
+        and request_id; left out or None means the server's default. `timeout` bounds the whole stream, retries
+        included; `retry` (a RetryPolicy, a number of retries, or None) overrides the client's policy.
         """
         request = build_generate_request(prompt, messages, options)
-        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
-        return GenerationStream(call, ResultBuilder(request.request_id))
+        retrier = Retrier(self._policy(retry), timeout, lambda remaining: self._stub.Generate(
+            request, timeout=remaining, metadata=self._metadata))
+        return GenerationStream(retrier.first(), ResultBuilder(request.request_id), retrier)
 
     def complete(
         self,
@@ -106,10 +121,11 @@ class LLMServeClient(_ClientBase):
         *,
         messages: Sequence[MessageLike] | None = None,
         timeout: float | None = None,
+        retry: Retry | object = _DEFAULT,
         **options: Unpack[GenerateOptions],
     ) -> GenerationResult:
         """Generate and return the whole result at once (same arguments as generate())."""
-        return self.generate(prompt, messages=messages, timeout=timeout, **options).result()
+        return self.generate(prompt, messages=messages, timeout=timeout, retry=retry, **options).result()
 
     def tokenize(
         self,
@@ -161,14 +177,15 @@ class AsyncLLMServeClient(_ClientBase):
         credentials: grpc.ChannelCredentials | None = None,
         options: Sequence[tuple[str, Any]] = (),
         metadata: Sequence[tuple[str, str]] = (),
+        retry: Retry = None,
     ) -> None:
-        super().__init__(grpc.aio, target, credentials, options, metadata)
+        super().__init__(grpc.aio, target, credentials, options, metadata, retry)
 
     async def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
-        try:
-            return await method(request, timeout=timeout, metadata=self._metadata)
-        except grpc.RpcError as err:
-            raise error_from_rpc(err) from None
+        async def invoke(remaining: float | None) -> Any:
+            return await method(request, timeout=remaining, metadata=self._metadata)
+
+        return await async_call_with_retry(self.retry, timeout, invoke, error_from_rpc)
 
     def generate(
         self,
@@ -176,12 +193,14 @@ class AsyncLLMServeClient(_ClientBase):
         *,
         messages: Sequence[MessageLike] | None = None,
         timeout: float | None = None,
+        retry: Retry | object = _DEFAULT,
         **options: Unpack[GenerateOptions],
     ) -> AsyncGenerationStream:
         """Start generating; `async for` the result for text deltas (arguments as LLMServeClient.generate)."""
         request = build_generate_request(prompt, messages, options)
-        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
-        return AsyncGenerationStream(call, ResultBuilder(request.request_id))
+        retrier = AsyncRetrier(self._policy(retry), timeout, lambda remaining: self._stub.Generate(
+            request, timeout=remaining, metadata=self._metadata))
+        return AsyncGenerationStream(retrier.first(), ResultBuilder(request.request_id), retrier)
 
     async def complete(
         self,
@@ -189,10 +208,11 @@ class AsyncLLMServeClient(_ClientBase):
         *,
         messages: Sequence[MessageLike] | None = None,
         timeout: float | None = None,
+        retry: Retry | object = _DEFAULT,
         **options: Unpack[GenerateOptions],
     ) -> GenerationResult:
         """Generate and return the whole result at once."""
-        return await self.generate(prompt, messages=messages, timeout=timeout, **options).result()
+        return await self.generate(prompt, messages=messages, timeout=timeout, retry=retry, **options).result()
 
     async def tokenize(
         self,

@@ -55,10 +55,15 @@ class Timing:
 
 @dataclass(slots=True, frozen=True)
 class TokenLogprob:
-    """The log-probability of one token."""
+    """The log-probability of one token (natural log, under the model's raw distribution: before penalties,
+    temperature and filters), and its text decoded alone."""
 
     token_id: int
     logprob: float
+    text: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"token_id": self.token_id, "text": self.text, "logprob": self.logprob}
 
 
 @dataclass(slots=True, frozen=True)
@@ -67,6 +72,10 @@ class PositionLogprobs:
 
     sampled: TokenLogprob | None
     top: tuple[TokenLogprob, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"sampled": self.sampled.to_dict() if self.sampled is not None else None,
+                "top": [entry.to_dict() for entry in self.top]}
 
 
 @dataclass(slots=True)
@@ -88,7 +97,8 @@ class GenerationResult:
     logprobs: list[PositionLogprobs] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (finish_reason as a lower-case name, times as ISO strings and seconds)."""
+        """A JSON-ready dict (finish_reason as a lower-case name, times as ISO strings and seconds; `logprobs` only
+        when the request asked for them)."""
         timing = None
         if self.timing is not None:
             arrival = self.timing.arrival_time
@@ -98,7 +108,7 @@ class GenerationResult:
                 "time_to_first_token_s": self.timing.time_to_first_token_s,
                 "total_s": self.timing.total_s,
             }
-        return {
+        result = {
             "request_id": self.request_id,
             "text": self.text,
             "token_ids": list(self.token_ids),
@@ -112,6 +122,9 @@ class GenerationResult:
             "matched_stop_string": self.matched_stop_string,
             "timing": timing,
         }
+        if self.logprobs:
+            result["logprobs"] = [position.to_dict() for position in self.logprobs]
+        return result
 
 
 @dataclass(slots=True, frozen=True)

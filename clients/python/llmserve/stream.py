@@ -11,14 +11,20 @@ import grpc
 from llmserve._convert import ResultBuilder
 from llmserve.datatypes import GenerationResult
 from llmserve.errors import LLMServeError, error_from_rpc
+from llmserve.retry import AsyncRetrier, Retrier
 
 
 class GenerationStream:
-    """A running Generate call: iterate it for text deltas; result() drains the rest and returns the outcome."""
+    """A running Generate call: iterate it for text deltas; result() drains the rest and returns the outcome.
 
-    def __init__(self, call: Any, builder: ResultBuilder) -> None:
+    With a `retrier` (llmserve.retry), a call refused before its first message is started again.
+    """
+
+    def __init__(self, call: Any, builder: ResultBuilder, retrier: Retrier | None = None) -> None:
         self._call = call
         self._builder = builder
+        self._retrier = retrier
+        self._received = False
 
     @property
     def request_id(self) -> str:
@@ -26,13 +32,20 @@ class GenerationStream:
         return self._builder.request_id
 
     def __iter__(self) -> Iterator[str]:
-        try:
-            for response in self._call:
-                delta = self._builder.add(response)
-                if delta:
-                    yield delta
-        except grpc.RpcError as err:
-            raise error_from_rpc(err) from None
+        while True:
+            try:
+                for response in self._call:
+                    self._received = True
+                    delta = self._builder.add(response)
+                    if delta:
+                        yield delta
+                return
+            except grpc.RpcError as err:
+                error = error_from_rpc(err)
+            # NOTE: never after a message: the request ran, and a retry would run it again.
+            if self._received or self._retrier is None:
+                raise error
+            self._call = self._retrier.next(error)
 
     def result(self) -> GenerationResult:
         """Consume whatever is left of the stream and return the whole result."""
@@ -55,9 +68,11 @@ class GenerationStream:
 class AsyncGenerationStream:
     """The asyncio GenerationStream: `async for` it for text deltas; `await result()` for the outcome."""
 
-    def __init__(self, call: Any, builder: ResultBuilder) -> None:
+    def __init__(self, call: Any, builder: ResultBuilder, retrier: AsyncRetrier | None = None) -> None:
         self._call = call
         self._builder = builder
+        self._retrier = retrier
+        self._received = False
         self._cancelled = False
 
     @property
@@ -70,16 +85,24 @@ class AsyncGenerationStream:
 
     async def _deltas(self) -> AsyncIterator[str]:
         while True:
+            error = None
             try:
                 response = await self._call.read()
             except grpc.RpcError as err:
-                raise error_from_rpc(err) from None
+                error = error_from_rpc(err)
             except asyncio.CancelledError:
                 if not self._cancelled:
                     raise
                 raise LLMServeError(grpc.StatusCode.CANCELLED, "cancelled by the client") from None
+            if error is not None:
+                # NOTE: never after a message: the request ran, and a retry would run it again.
+                if self._received or self._retrier is None or self._cancelled:
+                    raise error
+                self._call = await self._retrier.next(error)
+                continue
             if response is grpc.aio.EOF:
                 return
+            self._received = True
             delta = self._builder.add(response)
             if delta:
                 yield delta

@@ -8,7 +8,8 @@ class SchedulerConfig:
     """Budgets of one engine step and the shape of the paged KV cache.
 
     `num_kvcache_blocks` is filled in by the model runner once it has sized the cache.
-    `max_waiting` bounds the waiting queue (0 = unbounded); past it add_request raises QueueFullError.
+    `max_waiting` bounds the requests waiting to be admitted, preempted ones not counted (0 = unbounded); past
+    it add_request raises QueueFullError. `max_num_seqs` caps a step and also how many sequences run at once.
     """
 
     max_num_seqs: int = 256

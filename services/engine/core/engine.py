@@ -9,6 +9,7 @@ import time
 from array import array
 from collections.abc import Collection
 
+from services.engine.core.admission import AdmissionRate
 from services.engine.core.config import SchedulerConfig
 from services.engine.core.block_manager import KvCacheEvents
 from services.engine.core.errors import DuplicateRequestError, QueueFullError
@@ -38,6 +39,8 @@ class EngineCore:
         self._live: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self._seq_ids = itertools.count()
+        self._admission_rate = AdmissionRate()
+        self._take_logprobs = getattr(runner, "take_logprobs", None)  # optional (see interfaces.ModelRunner)
 
     def add_request(
         self,
@@ -49,14 +52,17 @@ class EngineCore:
         """Admit a request to the waiting queue.
 
         Raises InvalidRequestError when it can never run as given, DuplicateRequestError when
-        `request_id` is still in use (until its final output is returned), QueueFullError when the
-        waiting queue is at `max_waiting`.
+        `request_id` is still in use (until its final output is returned), QueueFullError when
+        `max_waiting` requests already wait to be admitted (preempted ones do not count: they were admitted).
         """
         self.validate_request(prompt_token_ids, sampling)
         if request_id in self._live or any(seq.request_id == request_id for seq in self._aborted):
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
-        if 0 < self.config.max_waiting <= len(self.scheduler.waiting):
-            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
+        if self.config.max_waiting > 0:
+            num_queued = self.scheduler.num_queued
+            if num_queued >= self.config.max_waiting:
+                delay_s = self._admission_rate.retry_delay_s(num_queued, time.monotonic())
+                raise QueueFullError(f"waiting queue is full ({num_queued} requests)", retry_after_s=delay_s)
         seq = Sequence(
             seq_id=next(self._seq_ids),
             request_id=request_id,
@@ -93,15 +99,20 @@ class EngineCore:
         """
         outputs = [_output_of(seq, []) for seq in self._aborted]
         self._aborted.clear()
+        num_admitted = self.scheduler.num_admitted
         batch = self.scheduler.schedule()
         if batch.is_prefill:
             _mark_scheduled(batch.seqs)
+        if self.scheduler.num_admitted != num_admitted:
+            self._admission_rate.record(self.scheduler.num_admitted - num_admitted, time.monotonic())
         if batch.seqs:
             sampled_token_ids = self.runner.execute(batch)
+            logprobs = self._take_logprobs() if self._take_logprobs is not None else None
             for seq in self.scheduler.postprocess(batch, sampled_token_ids):
                 if seq.is_finished:
                     del self._live[seq.request_id]
-                outputs.append(_output_of(seq, [seq.last_token_id]))
+                position = logprobs.get(seq.seq_id) if logprobs else None
+                outputs.append(_output_of(seq, [seq.last_token_id], None if position is None else [position]))
         return outputs
 
     def record_kv_events(self, enabled: bool) -> None:
@@ -140,7 +151,7 @@ class EngineCore:
         )
 
 
-def _output_of(seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
+def _output_of(seq: Sequence, new_token_ids: list[int], logprobs: list | None = None) -> RequestOutput:
     """A sequence's progress as one step output. NOTE: matched_stop_token_id is set exactly when the finish
     reason is STOP, to the EOS or stop token id that ended it (always the last generated token)."""
     stopped = seq.finish_reason == FinishReason.STOP
@@ -153,6 +164,7 @@ def _output_of(seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
         num_cached_tokens=seq.num_prefix_hit_tokens,
         matched_stop_token_id=seq.last_token_id if stopped else None,
         queue_time_s=_queue_time(seq) if seq.finish_reason is not None else None,
+        logprobs=logprobs,
     )
 
 

@@ -35,13 +35,28 @@ class ModelRunner(Protocol):
 
         The sample index of a sequence (for per-request seeds) is `seq.num_completion_tokens`.
         Sequences must not be mutated.
+        A runner that computes log-probabilities also has `take_logprobs() -> dict[int, TokenLogprobs]`: those of
+        the last `execute`, keyed by seq_id, for the sequences whose sampling asked (num_logprobs set).
         """
         ...
 
 
 @dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probabilities at one generated position under the model's raw distribution (before penalties,
+    temperature and filters): the sampled token's, and the top alternatives, most likely first."""
+
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
 class RequestOutput:
-    """What one step produced for one request: its new token ids, and the finish reason on the last."""
+    """What one step produced for one request: its new token ids, and the finish reason on the last.
+
+    `logprobs` has one entry per new token id when the request asked for them, else None.
+    """
 
     request_id: str
     new_token_ids: list[int]
@@ -51,6 +66,7 @@ class RequestOutput:
     num_cached_tokens: int
     matched_stop_token_id: int | None = None
     queue_time_s: float | None = None  # on the last output: arrival to first scheduled
+    logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from services.common.validation import check_sampling
+from services.common.validation import check_extras, check_sampling
 
 # Temperatures below this sample greedily (dividing the logits by them would overflow).
 MIN_TEMPERATURE = 1e-5
@@ -16,6 +16,11 @@ class SamplingParams:
     and min_p 0.0 disable theirs. A `seed` makes this request's draws reproducible whatever else shares the
     batch. The engine stops on EOS (unless `ignore_eos`) or any of `stop_token_ids`, but not before
     `min_tokens` completion tokens, and always at `max_tokens`.
+    `num_logprobs` (None = off) asks for the sampled token's log-probability and that many top alternatives per
+    generated position, before temperature and filters (raw). Penalties (off at their neutral values):
+    `repetition_penalty` divides positive logits / multiplies negative ones of every token already in the prompt
+    or output (transformers' definition); `presence_penalty` and `frequency_penalty` subtract
+    presence * [count > 0] + frequency * count over the output tokens (OpenAI's definition).
     Invalid values raise InvalidRequestError with the contract's field name ("sampling.top_p").
     """
 
@@ -28,6 +33,10 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    num_logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -39,8 +48,15 @@ class SamplingParams:
         """
         check_sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                        max_tokens=self.max_tokens, min_tokens=self.min_tokens, seed=self.seed)
+        check_extras(num_logprobs=self.num_logprobs, repetition_penalty=self.repetition_penalty,
+                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
 
     @property
     def is_greedy(self) -> bool:
         """Whether the sampler takes the argmax for this request."""
         return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any penalty changes the logits of this request."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

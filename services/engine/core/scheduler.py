@@ -3,6 +3,15 @@
 The rules (ARCHITECTURE.md §2): a step is all prefill or all decode; prefill goes first, within
 `max_num_seqs` and `max_num_batched_tokens`, chunking only the first sequence of the batch; decode makes
 room by preempting the newest running sequence (recomputation, LIFO), down to the sequence itself.
+
+Deliberate refinement of the seed (shared/seed, nano-vllm's chapter): the seed caps each *step* at
+`max_num_seqs` but lets `running` grow without bound, so under overload every arrival is prefilled, gets
+one token, then starves at the tail of `running` while holding its KV blocks (probed: 48 running, 44 stuck
+at one token with max_num_seqs=4). Here a sequence starts prefilling only while fewer than
+`max_running = min(max_num_seqs, max_num_batched_tokens)` sequences run or are being prefilled, so
+`running` never outgrows one decode step: every running sequence decodes every decode step, and the
+others wait in `waiting` without KV (where the waiting bound, `num_queued`, can refuse new ones).
+The per-step caps are unchanged.
 """
 
 from collections import deque
@@ -24,6 +33,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, eos_token_ids: Collection[int]):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        # NOTE: a decode step takes one token per sequence, so the token budget caps it as well.
+        self.max_running = min(config.max_num_seqs, config.max_num_batched_tokens)
         self.max_model_len = config.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_manager = BlockManager(
@@ -35,11 +46,22 @@ class Scheduler:
         self.num_cached_prompt_tokens = 0
         self.num_computed_prompt_tokens = 0
         self.num_generated_tokens = 0
+        self.num_admitted = 0  # sequences that started prefilling (a preempted one counts again when restarted)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence behind the waiting ones."""
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+
+    @property
+    def num_queued(self) -> int:
+        """Waiting sequences never admitted to `running` (the waiting bound's count): all but the preempted ones.
+
+        A new sequence whose prompt is being prefilled in chunks counts until it runs. NOTE: O(len(waiting));
+        with a waiting bound, `waiting` holds at most max_waiting such sequences plus the preempted ones
+        (fewer than max_running).
+        """
+        return sum(1 for seq in self.waiting if not seq.num_preemptions)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -58,7 +80,9 @@ class Scheduler:
         seqs: list[Sequence] = []
         num_batched_tokens = 0
         block_manager = self.block_manager
-        while self.waiting and len(seqs) < self.max_num_seqs:
+        # Every sequence of a prefill batch runs once its prompt is computed: admit only into free slots.
+        max_batch = self.max_running - len(self.running)
+        while self.waiting and len(seqs) < max_batch:
             remaining = self.max_num_batched_tokens - num_batched_tokens
             if remaining <= 0:
                 break
@@ -76,6 +100,7 @@ class Scheduler:
             if cached_block_ids is not None:
                 block_manager.allocate(seq, cached_block_ids)
                 self.num_cached_prompt_tokens += seq.num_cached_tokens
+                self.num_admitted += 1
             seq.num_scheduled_tokens = min(num_new_tokens, remaining)
             num_batched_tokens += seq.num_scheduled_tokens
             if seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens:
@@ -86,8 +111,8 @@ class Scheduler:
         return seqs
 
     def _schedule_decode(self) -> list[Sequence]:
-        # NOTE: one token per sequence, so the token budget caps the batch as well as max_num_seqs.
-        max_batch = min(self.max_num_seqs, self.max_num_batched_tokens)
+        # NOTE: admission keeps len(running) <= max_running; the cap below is a guard, not a rule that binds.
+        max_batch = self.max_running
         if len(self.running) <= max_batch:
             seqs = self._decode_all_without_preemption()
             if seqs is not None:

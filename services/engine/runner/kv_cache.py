@@ -10,6 +10,7 @@ from services.engine.layers.attention import Attention
 from services.engine.runner.cuda_graphs import graph_batch_sizes, measure_cuda_graph_bytes
 from services.engine.runner.inputs import StepInputs, dummy_prefill
 from services.engine.runner.sampler import Sampler
+from services.engine.runner.sampling_step import worst_case_feature_memory
 from services.engine.runner.sampling_batch import worst_case_sampling_batch
 
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -140,7 +141,8 @@ def dummy_decode(num_seqs: int) -> StepInputs:
 
 def profile_gpu_memory(runner) -> GpuMemorySnapshot:
     """Peak activations of the largest steps the scheduler can issue: a prefill of max_num_batched_tokens
-    (no cache) and a decode of max_num_seqs rows with every sampling filter on (one-block cache bound)."""
+    (no cache) and a decode of max_num_seqs rows with every sampling filter on (one-block cache bound), with room
+    for logprobs and penalty state on every row."""
     device, args = runner.device, runner.args
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -149,8 +151,9 @@ def profile_gpu_memory(runner) -> GpuMemorySnapshot:
     with unbound_kv_cache(runner.model.attention_layers()):
         runner.compute_logits(dummy_prefill(num_tokens, runner.max_model_len))
     logits = runner.compute_logits(dummy_decode(args.max_num_seqs))  # [max_num_seqs, V]
+    features = worst_case_feature_memory(args.max_num_seqs, runner.vocab_size, device)  # logprobs, penalties
     Sampler(0, device).sample(logits, worst_case_sampling_batch(args.max_num_seqs, runner.vocab_size, device))
-    del logits
+    del logits, features
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     return read_gpu_memory(device)

@@ -24,9 +24,7 @@ from services.engine.models.registry import get_model_class
 from services.engine.runner.cuda_graphs import DecodeGraphBuffers, DecodeGraphs, graph_batch_sizes
 from services.engine.runner.inputs import StepInputBuilder, StepInputs, cacheless_prefill, to_model_inputs
 from services.engine.runner.kv_cache import allocate_kv_cache, bind_kv_cache, size_kv_cache, unbound_kv_cache
-from services.engine.runner.min_tokens import suppress_stop_tokens_below_min
-from services.engine.runner.sampler import Sampler
-from services.engine.runner.sampling_batch import make_sampling_batch
+from services.engine.runner.sampling_step import StepSampler
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +174,9 @@ class ModelRunner:
 
     def _set_up_cache(self, use_graphs: bool) -> None:
         """Size (every rank agreeing), allocate and bind the KV cache, then capture the decode graphs."""
-        self.sampler = Sampler(self.args.seed, self.device)
+        self.sampler = StepSampler(self.args.seed, self.vocab_size, self.device)
+        self._device_logprobs = None
+        self._logprobs: dict = {}
         self.inputs = StepInputBuilder(self.block_size, self.max_blocks_per_seq, self.args.max_num_seqs, self.device)
         self._sampled = SampledIds(self.args.max_num_seqs, self.device)
         self.graphs: DecodeGraphs | None = None
@@ -256,14 +256,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample_on_device(self, batch: SchedulerOutput) -> tuple[torch.Tensor | None, list[int]]:
-        """Run the step and sample, leaving the token ids [S] on the device: nothing here waits on it."""
+        """Run the step and sample, leaving the token ids [S] on the device: nothing here waits on it.
+        Log-probabilities, when a sequence asked for them, wait in `self._device_logprobs` for `execute`."""
         logits, sample_seq_indices = self.logits(batch)
+        self._device_logprobs = None
         if logits is None:
             return None, sample_seq_indices
         sampled_seqs = [batch.seqs[i] for i in sample_seq_indices]
-        suppress_stop_tokens_below_min(logits, sampled_seqs, self.eos_token_ids)
-        return self.sampler.sample(logits, make_sampling_batch(sampled_seqs, self.vocab_size, self.device)), \
-            sample_seq_indices
+        token_ids, self._device_logprobs = self.sampler.sample(logits, sampled_seqs, self.eos_token_ids)
+        return token_ids, sample_seq_indices
+
+    def take_logprobs(self) -> dict:
+        """seq_id -> TokenLogprobs of the last execute, for the sequences that asked (see interfaces.ModelRunner)."""
+        logprobs, self._logprobs = self._logprobs, {}
+        return logprobs
 
     def execute(self, batch: SchedulerOutput) -> list[int | None]:
         """Compute the batch's tokens, then sample for each sequence whose whole token list is computed.
@@ -275,6 +281,8 @@ class ModelRunner:
         if token_ids is None:
             return results
         sampled = self._sampled.to_host(token_ids)
+        if self._device_logprobs is not None:
+            self._logprobs = self._device_logprobs.to_host()  # after the step's sync: the values are ready
         if len(sampled) == len(results):  # every sequence sampled (always so in decode), in batch order
             return sampled
         for i, token_id in zip(sample_seq_indices, sampled):

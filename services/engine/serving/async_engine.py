@@ -33,13 +33,14 @@ MIN_KV_PENDING = 4096  # a KV-event subscriber may fall this many changes behind
 class _Stream:
     """One request's outputs not yet taken by its reader."""
 
-    __slots__ = ("request_id", "num_prompt_tokens", "pending", "num_cached_tokens", "num_completion_tokens",
-                 "finished", "error", "waiter")
+    __slots__ = ("request_id", "num_prompt_tokens", "pending", "pending_logprobs", "num_cached_tokens",
+                 "num_completion_tokens", "finished", "error", "waiter")
 
     def __init__(self, request_id: str, num_prompt_tokens: int):
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.pending: list[int] = []
+        self.pending_logprobs: list = []  # TokenLogprobs, one per pending id, when the request asked for them
         self.num_cached_tokens = 0
         self.num_completion_tokens = 0
         self.finished = None  # FinishedRequest once the core says so
@@ -61,14 +62,17 @@ class _Stream:
 
     def take(self) -> RequestOutput:
         ids, self.pending = self.pending, []
+        logprobs = None
+        if self.pending_logprobs:
+            logprobs, self.pending_logprobs = self.pending_logprobs, []
         self.num_completion_tokens += len(ids)
         finished = self.finished
         if finished is None:
             return RequestOutput(self.request_id, ids, None, self.num_prompt_tokens, self.num_completion_tokens,
-                                 self.num_cached_tokens)
+                                 self.num_cached_tokens, logprobs=logprobs)
         return RequestOutput(self.request_id, ids, FinishReason(finished.finish_reason), finished.num_prompt_tokens,
                              finished.num_completion_tokens, finished.num_cached_tokens,
-                             finished.matched_stop_token_id, finished.queue_time_s)
+                             finished.matched_stop_token_id, queue_time_s=finished.queue_time_s, logprobs=logprobs)
 
 
 class AsyncEngine:
@@ -254,12 +258,16 @@ class AsyncEngine:
         if self._kv_subscribers:
             self._kv_subscribers.on_step(message)
         streams, interval = self._streams, self._stream_interval
-        for handle, token_id, num_cached in zip(message.handles, message.token_ids, message.num_cached_tokens):
+        logprobs = message.logprobs.unpack() if message.logprobs is not None else None
+        for position, (handle, token_id, num_cached) in enumerate(
+                zip(message.handles, message.token_ids, message.num_cached_tokens)):
             stream = streams.get(handle)
             if stream is None:
                 continue
             if token_id != NO_TOKEN:
                 stream.pending.append(token_id)
+                if logprobs is not None and position in logprobs:
+                    stream.pending_logprobs.append(logprobs[position])
             stream.num_cached_tokens = num_cached
             if stream.has_output(interval):
                 stream.wake()

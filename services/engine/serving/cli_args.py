@@ -9,7 +9,7 @@ from services.engine.config import EngineArgs
 
 _HELP = {
     "model": "HF checkpoint directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
-    "max_num_seqs": "most sequences in one step",
+    "max_num_seqs": "most sequences in one step and running at once",
     "max_num_batched_tokens": "most tokens computed in one step (chunked prefill beyond it)",
     "max_model_len": "longest prompt + completion (default: the model's, capped at 4096)",
     "kvcache_block_size": "tokens per KV-cache block",
@@ -23,7 +23,7 @@ _HELP = {
     "gpu_memory_utilization": "fraction of GPU memory the engine may use",
     "tensor_parallel_size": "GPUs to shard the model over (one process each)",
     "distributed_port": "TCP port on 127.0.0.1 where tensor-parallel processes rendezvous (0: a free one)",
-    "max_waiting": "waiting-queue limit; past it requests get RESOURCE_EXHAUSTED (0 = unbounded)",
+    "max_waiting": "most requests waiting to be admitted, preempted ones not counted; past it RESOURCE_EXHAUSTED (0 = unbounded)",
     "seed": "seed of unseeded sampling",
 }
 

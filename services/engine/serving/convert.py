@@ -4,8 +4,8 @@ from llmserve.common.v1 import common_pb2
 from llmserve.engine.v1 import engine_pb2
 
 from services.common.convert import RequestClock
-from services.common.validation import check_wire_sampling
-from services.engine.core.interfaces import EngineStats, RequestOutput
+from services.common.validation import PROMPT_TOKEN_IDS, check_room_for_completion, check_wire_sampling
+from services.engine.core.interfaces import EngineStats, RequestOutput, TokenLogprobs
 from services.engine.core.sampling_params import SamplingParams
 from services.engine.core.sequence import FinishReason
 from services.engine.serving.kv_subscribers import KvEventBatch
@@ -24,9 +24,12 @@ def sampling_from_proto(proto: common_pb2.SamplingParams, num_prompt_tokens: int
     Raises InvalidRequestError naming the proto field ("sampling.top_p", ...): the checks are
     services.common.validation's, shared with the tokenizer service and the offline API.
     """
-    check_wire_sampling(top_k=proto.top_k if proto.HasField("top_k") else None,
-                        num_logprobs=proto.num_logprobs if proto.HasField("num_logprobs") else None)
-    max_tokens = proto.max_tokens if proto.HasField("max_tokens") else max(max_model_len - num_prompt_tokens, 1)
+    check_wire_sampling(top_k=proto.top_k if proto.HasField("top_k") else None)
+    if proto.HasField("max_tokens"):
+        max_tokens = proto.max_tokens
+    else:
+        check_room_for_completion(PROMPT_TOKEN_IDS, num_prompt_tokens, max_model_len)
+        max_tokens = max_model_len - num_prompt_tokens
     return SamplingParams(
         temperature=proto.temperature if proto.HasField("temperature") else 1.0,
         top_k=proto.top_k if proto.HasField("top_k") else 0,
@@ -37,6 +40,10 @@ def sampling_from_proto(proto: common_pb2.SamplingParams, num_prompt_tokens: int
         min_tokens=proto.min_tokens if proto.HasField("min_tokens") else 0,
         ignore_eos=proto.ignore_eos,
         stop_token_ids=list(proto.stop_token_ids),
+        num_logprobs=proto.num_logprobs if proto.HasField("num_logprobs") else None,
+        repetition_penalty=proto.repetition_penalty if proto.HasField("repetition_penalty") else 1.0,
+        presence_penalty=proto.presence_penalty,
+        frequency_penalty=proto.frequency_penalty,
     )
 
 
@@ -53,7 +60,17 @@ def response_from_output(output: RequestOutput, timing: RequestClock) -> engine_
         response.timing.CopyFrom(timing.to_proto())
         if output.matched_stop_token_id is not None:
             response.matched_stop_token_id = output.matched_stop_token_id
+    if output.logprobs:
+        response.logprobs.extend(position_logprobs(token_id, position)
+                                 for token_id, position in zip(output.new_token_ids, output.logprobs))
     return response
+
+
+def position_logprobs(token_id: int, position: TokenLogprobs) -> common_pb2.PositionLogprobs:
+    return common_pb2.PositionLogprobs(
+        sampled=common_pb2.TokenLogprob(token_id=token_id, logprob=position.logprob),
+        top=[common_pb2.TokenLogprob(token_id=i, logprob=v)
+             for i, v in zip(position.top_token_ids, position.top_logprobs)])
 
 
 def kv_events_response(batch: KvEventBatch, block_size: int,

@@ -11,11 +11,10 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 
 from services.common.grpc_server import ServingState, build_server, configure_logging, run_until_signalled
 from services.common.metrics import MetricsEndpoint, add_observability_args, check_observability_args
-from services.common.reuseport import WorkerGroup, reserve_port
+from services.common.reuseport import WorkerGroup, exit_after_drain, reserve_port
 from services.engine.serving.cli_args import add_engine_args, engine_args_from
 
 logger = logging.getLogger("llmserve.engine")
@@ -121,7 +120,7 @@ def run_api_worker(args: argparse.Namespace, port: int, connection) -> None:
     configure_logging(args.log_level, args.log_format)
     front = Front(args, connection)
     asyncio.run(front.serve(port))
-    sys.exit(front.exit_code)
+    exit_after_drain(front.exit_code)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -176,7 +175,7 @@ def _run(args: argparse.Namespace, endpoint: MetricsEndpoint | None) -> int:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging(args.log_level, args.log_format)
-    sys.exit(run(args))
+    exit_after_drain(run(args))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import pickle
 from array import array
 from dataclasses import dataclass
 
-from services.engine.core.interfaces import EngineStats
+from services.engine.core.interfaces import EngineStats, TokenLogprobs
 from services.engine.core.sampling_params import SamplingParams
 
 NO_TOKEN = -1  # in StepOutputs.token_ids: this output carries no token (an abort)
@@ -77,11 +77,45 @@ class FinishedRequest:
 
 
 @dataclass(slots=True)
+class StepLogprobs:
+    """The log-probabilities of some of a StepOutputs' tokens, as flat arrays: entry j belongs to the output at
+    `positions[j]` and owns the next `top_counts[j]` entries of `top_token_ids` / `top_logprobs`."""
+
+    positions: array  # int64 [M]
+    logprobs: array  # float64 [M]
+    top_counts: array  # int64 [M]
+    top_token_ids: array  # int64 [sum(top_counts)]
+    top_logprobs: array  # float64 [sum(top_counts)]
+
+    @classmethod
+    def empty(cls) -> "StepLogprobs":
+        return cls(array("q"), array("d"), array("q"), array("q"), array("d"))
+
+    def append(self, position: int, logprobs: TokenLogprobs) -> None:
+        self.positions.append(position)
+        self.logprobs.append(logprobs.logprob)
+        self.top_counts.append(len(logprobs.top_token_ids))
+        self.top_token_ids.extend(logprobs.top_token_ids)
+        self.top_logprobs.extend(logprobs.top_logprobs)
+
+    def unpack(self) -> dict[int, TokenLogprobs]:
+        """position -> TokenLogprobs."""
+        result, start = {}, 0
+        for position, logprob, count in zip(self.positions, self.logprobs, self.top_counts):
+            end = start + count
+            result[position] = TokenLogprobs(logprob, self.top_token_ids[start:end].tolist(),
+                                             self.top_logprobs[start:end].tolist())
+            start = end
+        return result
+
+
+@dataclass(slots=True)
 class StepOutputs:
     """One engine step's outputs for one front's requests, and the engine's figures after the step.
 
     `handles[i]` got token `token_ids[i]` (NO_TOKEN for none) with `num_cached_tokens[i]` prompt tokens
     served from the prefix cache; a request finishing in this step also has an entry in `finished`.
+    `logprobs` is None unless some request of the step asked for log-probabilities.
     """
 
     handles: array  # int64 [N]
@@ -93,6 +127,7 @@ class StepOutputs:
     # This step's prefix-cache changes while the front has a subscriber: a KvCacheEvents's (block_hashes, cached),
     # as a plain tuple (pickling a class costs more than its bytes).
     kv_events: tuple[bytes, bytes] | None = None
+    logprobs: StepLogprobs | None = None
 
 
 @dataclass(slots=True)

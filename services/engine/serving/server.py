@@ -11,6 +11,7 @@ from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc
 from services.common.errors import InvalidRequestError, UnavailableError
 from services.common.grpc_server import ServingState, request_id_var, status_code_name
 from services.common.metrics import RequestObserver
+from services.common.validation import check_request_id, loggable_request_id
 from services.engine.serving.async_engine import AsyncEngine
 from services.engine.serving.convert import (
     RequestClock, kv_events_response, load_report, response_from_output, sampling_from_proto)
@@ -47,11 +48,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         clock = RequestClock()
-        with self.requests.track(request.request_id, clock, lambda exc: status_code_name(exc, context)) as record:
+        with self.requests.track(loggable_request_id(request.request_id), clock, lambda exc: status_code_name(exc, context)) as record:
             if self.state.draining:
                 raise UnavailableError("engine is draining")
             if not request.request_id:
                 raise InvalidRequestError("request_id", "must not be empty")
+            check_request_id(request.request_id)
             request_id_var.set(request.request_id)
             prompt = list(request.prompt_token_ids)
             sampling = sampling_from_proto(request.sampling, len(prompt), self.info.max_model_len)
