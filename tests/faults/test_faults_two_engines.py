@@ -34,7 +34,7 @@ pytestmark = [
 ]
 
 NUM_STREAMS = 12
-LONG_MAX_TOKENS = 200
+LONG_MAX_TOKENS = 1000  # hundreds of steps more than the test takes to pause both cores once every stream runs
 CALL_TIMEOUT_S = 300.0
 ENDED_WITHIN_S = 60.0
 # The engine's line for a finished request: "request finished: request_id=<id>-<suffix> ... finish_reason=length"
