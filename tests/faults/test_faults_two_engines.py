@@ -8,7 +8,6 @@ id) every stream that must finish with all its tokens.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import re
 import signal
@@ -27,11 +26,7 @@ from tests.services.engine_pause import engine_core_pid, paused
 from tests.services.helpers import engine_load, wait_engine_idle
 from tests.services.procs import ServiceProcess, poll_until, wait_health
 
-pytestmark = [
-    pytest.mark.slow, pytest.mark.timeout(300),
-    pytest.mark.skipif(importlib.util.find_spec("services.tokenizer.engine_pool") is None,
-                       reason="needs multi-engine routing (llmserve-tokenizer --engine a,b)"),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 NUM_STREAMS = 12
 LONG_MAX_TOKENS = 1000  # hundreds of steps more than the test takes to pause both cores once every stream runs
