@@ -51,15 +51,16 @@ def escape_for_log(text: str) -> str:
         return text
     return "".join(char if ord(char) in _PRINTABLE_ASCII else char.encode("unicode_escape").decode("ascii")
                    for char in text)
+MAX_N = 16  # the most completions one request may ask for (sampling.n)
 MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (OpenAI's top_logprobs limit)
 
 
 def check_sampling(*, temperature: float, top_k: int, top_p: float, min_p: float, max_tokens: int,
-                   min_tokens: int, seed: int | None) -> None:
+                   min_tokens: int, seed: int | None, n: int = 1) -> None:
     """Raise InvalidRequestError("sampling.<name>") for the first value out of its documented range.
 
     temperature: finite, >= 0 (0 = greedy). top_k: >= 1, or 0 / -1 to disable it. top_p: (0, 1].
-    min_p: [0, 1). max_tokens >= 1. min_tokens: [0, max_tokens]. seed: None or >= 0.
+    min_p: [0, 1). max_tokens >= 1. min_tokens: [0, max_tokens]. seed: None or >= 0. n: [1, MAX_N].
     NaN fails every range.
     """
     if not (math.isfinite(temperature) and temperature >= 0.0):
@@ -76,6 +77,8 @@ def check_sampling(*, temperature: float, top_k: int, top_p: float, min_p: float
         raise InvalidRequestError("sampling.min_tokens", f"must be in [0, max_tokens={max_tokens}], got {min_tokens}")
     if seed is not None and seed < 0:
         raise InvalidRequestError("sampling.seed", f"must be >= 0, got {seed}")
+    if not 1 <= n <= MAX_N:
+        raise InvalidRequestError("sampling.n", f"must be in [1, {MAX_N}], got {n}")
 
 
 def check_wire_sampling(*, top_k: int | None) -> None:

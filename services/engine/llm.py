@@ -106,7 +106,8 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:
         """Generate for each prompt; returns dicts {text, token_ids, finish_reason, num_cached_tokens, logprobs}
-        in order (`logprobs`: one TokenLogprobs per token when the request asked, else None).
+        in order (`logprobs`: one TokenLogprobs per token when the request asked, else None). With
+        sampling n > 1 the dict is completion 0's plus "outputs": all n completions' dicts, by index.
 
         `prompts`: a str, a list of str, or a list of token-id lists. Without `sampling_params` each request
         samples with the model's defaults (default_sampling_params()). Every request is validated before
@@ -115,24 +116,31 @@ class LLM:
         prompt_ids = self._tokenize(prompts)
         params = self._sampling_list(sampling_params, len(prompt_ids))
         request_ids = self._add_all(prompt_ids, params)
-        token_ids: dict[str, list[int]] = {rid: [] for rid in request_ids}
-        logprobs: dict[str, list] = {rid: [] for rid in request_ids}
+        keys = [(rid, index) for rid, p in zip(request_ids, params) for index in range(p.n)]
+        token_ids: dict[tuple[str, int], list[int]] = {key: [] for key in keys}
+        logprobs: dict[tuple[str, int], list] = {key: [] for key in keys}
         finals = {}
         try:
             with tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm) as progress:
                 while self.engine.has_unfinished_requests():
                     for output in self.engine.step():
-                        token_ids[output.request_id].extend(output.new_token_ids)
+                        key = (output.request_id, output.index)
+                        token_ids[key].extend(output.new_token_ids)
                         if output.logprobs:
-                            logprobs[output.request_id].extend(output.logprobs)
+                            logprobs[key].extend(output.logprobs)
                         if output.finished:
-                            finals[output.request_id] = output
+                            finals[key] = output
+                        if output.request_finished:
                             progress.update(1)
         except BaseException:
             self._abort_all(request_ids)  # e.g. KeyboardInterrupt: leave the engine empty for the next call
             raise
-        return [self._result(token_ids[rid], finals[rid], logprobs[rid] if p.num_logprobs is not None else None)
-                for rid, p in zip(request_ids, params)]
+        results = []
+        for rid, p in zip(request_ids, params):
+            completions = [self._result(token_ids[rid, i], finals[rid, i],
+                                        logprobs[rid, i] if p.num_logprobs is not None else None) for i in range(p.n)]
+            results.append(completions[0] if p.n == 1 else completions[0] | {"outputs": completions})
+        return results
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template_kwargs: dict | None = None) -> list[dict]:

@@ -4,6 +4,7 @@ No threads here: the server (or the offline LLM) calls `step()` from one thread 
 `add_request` / `abort_request` between steps on that same thread.
 """
 
+import dataclasses
 import itertools
 import time
 from array import array
@@ -17,7 +18,7 @@ from services.engine.core.interfaces import EngineStats, ModelRunner, RequestOut
 from services.engine.core.request_validator import RequestValidator
 from services.engine.core.sampling_params import SamplingParams
 from services.engine.core.scheduler import Scheduler
-from services.engine.core.sequence import FinishReason, Sequence
+from services.engine.core.sequence import FinishReason, Sequence, SequenceStatus
 
 
 class EngineCore:
@@ -36,7 +37,11 @@ class EngineCore:
         self.runner = runner
         self.scheduler = Scheduler(config, eos_token_ids)
         self.validator = RequestValidator.for_config(config, vocab_size)
-        self._live: dict[str, Sequence] = {}
+        # request id -> its unfinished completions (sampling.n sequences, one per index)
+        self._live: dict[str, list[Sequence]] = {}
+        # request id -> completions 1..n-1 not yet given to the scheduler: they wait until completion 0's prompt
+        # is computed, then hit the prefix cache for every full prompt block (prefill once, share the KV blocks)
+        self._siblings: dict[str, list[Sequence]] = {}
         self._aborted: list[Sequence] = []
         self._seq_ids = itertools.count()
         self._admission_rate = AdmissionRate()
@@ -65,15 +70,17 @@ class EngineCore:
             if num_queued >= self.config.max_waiting:
                 delay_s = self._admission_rate.retry_delay_s(num_queued, time.monotonic())
                 raise QueueFullError(f"waiting queue is full ({num_queued} requests)", retry_after_s=delay_s)
-        seq = Sequence(
-            seq_id=next(self._seq_ids),
-            request_id=request_id,
-            token_ids=list(prompt_token_ids),
-            sampling=sampling,
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-        )
-        self._live[request_id] = seq
-        self.scheduler.add(seq)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        seqs = [Sequence(seq_id=next(self._seq_ids), request_id=request_id, token_ids=list(prompt_token_ids),
+                         sampling=child, arrival_time=arrival, index=index)
+                for index, child in enumerate(_completion_params(sampling))]
+        self._live[request_id] = seqs
+        self.scheduler.add(seqs[0])
+        if len(seqs) > 1 and self.config.enable_prefix_caching:
+            self._siblings[request_id] = seqs[1:]  # admitted once seqs[0]'s prompt is cached (see step)
+        else:
+            for seq in seqs[1:]:
+                self.scheduler.add(seq)
 
     def validate_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Raise InvalidRequestError if this request could never run as given (see RequestValidator).
@@ -87,11 +94,17 @@ class EngineCore:
 
         Idempotent: returns True only if the request was live.
         """
-        seq = self._live.pop(request_id, None)
-        if seq is None:
+        seqs = self._live.pop(request_id, None)
+        if seqs is None:
             return False
-        self.scheduler.abort(seq)
-        self._aborted.append(seq)
+        waiting = self._siblings.pop(request_id, [])
+        for seq in seqs:
+            if any(seq is sibling for sibling in waiting):
+                seq.status = SequenceStatus.FINISHED  # never scheduled: nothing to free
+                seq.finish_reason = FinishReason.ABORTED
+            else:
+                self.scheduler.abort(seq)
+            self._aborted.append(seq)
         return True
 
     def step(self) -> list[RequestOutput]:
@@ -99,7 +112,9 @@ class EngineCore:
 
         A finished request leaves `_live` here, so its id is free again once its final output is returned.
         """
-        outputs = [_output_of(seq, []) for seq in self._aborted]
+        outputs = [_output_of(seq, [], request_finished=i + 1 == len(self._aborted)
+                              or self._aborted[i + 1].request_id != seq.request_id)
+                   for i, seq in enumerate(self._aborted)]
         self._aborted.clear()
         num_admitted = self.scheduler.num_admitted
         batch = self.scheduler.schedule()
@@ -111,11 +126,28 @@ class EngineCore:
             sampled_token_ids = self.runner.execute(batch)
             logprobs = self._take_logprobs() if self._take_logprobs is not None else None
             for seq in self.scheduler.postprocess(batch, sampled_token_ids):
-                if seq.is_finished:
-                    del self._live[seq.request_id]
+                self._admit_siblings(seq.request_id)
+                request_finished = seq.is_finished and self._retire(seq)
                 position = logprobs.get(seq.seq_id) if logprobs else None
-                outputs.append(_output_of(seq, [seq.last_token_id], None if position is None else [position]))
+                outputs.append(_output_of(seq, [seq.last_token_id], None if position is None else [position],
+                                          request_finished))
         return outputs
+
+    def _admit_siblings(self, request_id: str) -> None:
+        """Give a request's waiting completions to the scheduler: its first sampled a token, so the prompt's
+        full blocks are in the prefix cache (a finished first frees its blocks but the cache keeps them)."""
+        waiting = self._siblings.pop(request_id, None)
+        for seq in waiting or ():
+            self.scheduler.add(seq)
+
+    def _retire(self, seq: Sequence) -> bool:
+        """Drop a finished completion from `_live`; True when it was its request's last one (the id is free)."""
+        seqs = self._live[seq.request_id]
+        seqs.remove(seq)
+        if seqs:
+            return False
+        del self._live[seq.request_id]
+        return True
 
     def record_kv_events(self, enabled: bool) -> None:
         """Record the prefix cache's changes from now on (for take_kv_events), or stop; off by default (free)."""
@@ -153,7 +185,16 @@ class EngineCore:
         )
 
 
-def _output_of(seq: Sequence, new_token_ids: list[int], logprobs: list | None = None) -> RequestOutput:
+def _completion_params(sampling: SamplingParams) -> list[SamplingParams]:
+    """One SamplingParams per completion (n=1 each): completion i draws with seed + i when seeded."""
+    if sampling.n == 1:
+        return [sampling]
+    return [dataclasses.replace(sampling, n=1, seed=None if sampling.seed is None else sampling.seed + index)
+            for index in range(sampling.n)]
+
+
+def _output_of(seq: Sequence, new_token_ids: list[int], logprobs: list | None = None,
+               request_finished: bool = False) -> RequestOutput:
     """A sequence's progress as one step output. NOTE: matched_stop_token_id is set exactly when the finish
     reason is STOP, to the EOS or stop token id that ended it (always the last generated token)."""
     stopped = seq.finish_reason == FinishReason.STOP
@@ -167,6 +208,8 @@ def _output_of(seq: Sequence, new_token_ids: list[int], logprobs: list | None = 
         matched_stop_token_id=seq.last_token_id if stopped else None,
         queue_time_s=_queue_time(seq) if seq.finish_reason is not None else None,
         logprobs=logprobs,
+        index=seq.index,
+        request_finished=request_finished,
     )
 
 

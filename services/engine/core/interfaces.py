@@ -64,6 +64,8 @@ class RequestOutput:
     """What one step produced for one request: its new token ids, and the finish reason on the last.
 
     `logprobs` has one entry per new token id when the request asked for them, else None.
+    `index`: which of the request's sampling.n completions this is. `finish_reason` ends that completion;
+    `request_finished` is set on the last output of the whole request (after every completion's final one).
     """
 
     request_id: str
@@ -75,6 +77,8 @@ class RequestOutput:
     matched_stop_token_id: int | None = None
     queue_time_s: float | None = None  # on the last output: arrival to first scheduled
     logprobs: list[TokenLogprobs] | None = None
+    index: int = 0
+    request_finished: bool = False
 
     @property
     def finished(self) -> bool:

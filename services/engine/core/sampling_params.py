@@ -21,6 +21,7 @@ class SamplingParams:
     `repetition_penalty` divides positive logits / multiplies negative ones of every token already in the prompt
     or output (transformers' definition); `presence_penalty` and `frequency_penalty` subtract
     presence * [count > 0] + frequency * count over the output tokens (OpenAI's definition).
+    `n` completions share the prompt's KV blocks; completion i samples as n=1 with seed + i would.
     Invalid values raise InvalidRequestError with the contract's field name ("sampling.top_p").
 
     Structured output: at most one of `json_schema` (JSON text), `regex`, `grammar` (EBNF) or `json_object`
@@ -45,6 +46,7 @@ class SamplingParams:
     regex: str | None = None
     grammar: str | None = None
     json_object: bool = False
+    n: int = 1
     constraint: tuple[str, str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -61,7 +63,7 @@ class SamplingParams:
 
     def _check_ranges(self) -> None:
         check_sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                       max_tokens=self.max_tokens, min_tokens=self.min_tokens, seed=self.seed)
+                       max_tokens=self.max_tokens, min_tokens=self.min_tokens, seed=self.seed, n=self.n)
         check_extras(num_logprobs=self.num_logprobs, repetition_penalty=self.repetition_penalty,
                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
 

@@ -50,6 +50,7 @@ class Sequence:
     matched_stop_token_id: int | None = None
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None  # when its prefill first began (monotonic)
+    index: int = 0  # which of its request's sampling.n completions this sequence is
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -44,6 +44,7 @@ def sampling_from_proto(proto: common_pb2.SamplingParams, num_prompt_tokens: int
         repetition_penalty=proto.repetition_penalty if proto.HasField("repetition_penalty") else 1.0,
         presence_penalty=proto.presence_penalty,
         frequency_penalty=proto.frequency_penalty,
+        n=proto.n if proto.HasField("n") else 1,
         **constraint_fields(proto),
     )
 
@@ -51,6 +52,7 @@ def sampling_from_proto(proto: common_pb2.SamplingParams, num_prompt_tokens: int
 def response_from_output(output: RequestOutput, timing: RequestClock) -> engine_pb2.GenerateResponse:
     response = engine_pb2.GenerateResponse(
         request_id=output.request_id,
+        index=output.index,
         token_ids=output.new_token_ids,
         usage=common_pb2.Usage(prompt_tokens=output.num_prompt_tokens,
                                completion_tokens=output.num_completion_tokens,
