@@ -112,10 +112,11 @@ class EngineStream:
 
     def __init__(self, call):
         self._call = call
-        self._ids: list[int] = []
-        self._logprobs: list = []  # common_pb2.PositionLogprobs, one per id, when the request asked for them
-        self._last: engine_pb2.GenerateResponse | None = None
-        self._num_new = 0
+        # per completion index (sampling.n): ids, PositionLogprobs (one per id, when asked for) and newest message
+        self._ids: dict[int, list[int]] = {}
+        self._logprobs: dict[int, list] = {}
+        self._last: dict[int, engine_pb2.GenerateResponse] = {}
+        self._taken_index = 0
         self._ended = False
         self._error: BaseException | None = None
         self._waiter: asyncio.Future | None = None
@@ -124,11 +125,11 @@ class EngineStream:
     async def _read(self) -> None:
         try:
             async for response in self._call:
-                self._ids += response.token_ids
+                index = response.index
+                self._ids.setdefault(index, []).extend(response.token_ids)
                 if response.logprobs:
-                    self._logprobs += response.logprobs
-                self._last = response
-                self._num_new += 1
+                    self._logprobs.setdefault(index, []).extend(response.logprobs)
+                self._last[index] = response
                 if self._waiter is not None:
                     self._wake()
         except asyncio.CancelledError:
@@ -144,22 +145,23 @@ class EngineStream:
             self._waiter.set_result(None)
 
     async def take(self) -> tuple[list[int], engine_pb2.GenerateResponse | None]:
-        """(ids since the last take, the newest engine message); None once the call ended without new messages."""
-        if not self._num_new and not self._ended:
+        """(ids since the last take, the newest engine message) of one completion (the lowest index with news:
+        its `index` field says which); None once the call ended without new messages."""
+        if not self._last and not self._ended:
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
             self._waiter = None
-        if not self._num_new:
+        if not self._last:
             if self._error is not None:
                 raise self._error
             return [], None
-        ids, self._ids, self._num_new = self._ids, [], 0
-        return ids, self._last
+        index = min(self._last)
+        self._taken_index = index
+        return self._ids.pop(index, []), self._last.pop(index)
 
     def take_logprobs(self) -> list:
         """The PositionLogprobs of the ids the last take() returned (empty when the request asked for none)."""
-        logprobs, self._logprobs = self._logprobs, []
-        return logprobs
+        return self._logprobs.pop(self._taken_index, [])
 
     def cancel(self) -> None:
         """Cancel the engine call (the engine aborts the request) and stop reading."""

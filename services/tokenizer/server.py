@@ -62,12 +62,14 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
         # NOTE: a short prompt is tokenized inline: that takes far less than a thread hop.
         resolved = resolve_generate(*args) if size <= INLINE_MAX_CHARS else await asyncio.to_thread(
             resolve_generate, *args)
-        text_stream = TextStream(self.tokenizer, resolved.prompt_ids, resolved.stops,
-                                 resolved.include_stop_str_in_output, resolved.skip_special_tokens)
+        num_completions = resolved.sampling.n if resolved.sampling.HasField("n") else 1
+        text_streams = [TextStream(self.tokenizer, resolved.prompt_ids, resolved.stops,
+                                   resolved.include_stop_str_in_output, resolved.skip_special_tokens)
+                        for _ in range(num_completions)]
         record.num_prompt_tokens, record.admitted = len(resolved.prompt_ids), True
         member, stream, first = await self._start(resolved, context, record)
         try:
-            await self._relay(stream, first, resolved, text_stream, clock, context, record)
+            await self._relay(stream, first, resolved, text_streams, clock, context, record)
         except grpc.aio.AioRpcError as exc:
             record.engine_code = exc.code().name
             raise upstream_error(exc) from None
@@ -105,48 +107,53 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
             raise upstream_error(error) from None
         raise UnavailableError("no engine replica is available")
 
-    async def _relay(self, stream: EngineStream, first: tuple, resolved: ResolvedRequest, text_stream: TextStream,
-                     clock: RequestClock, context: grpc.aio.ServicerContext, record: RequestRecord) -> None:
+    async def _relay(self, stream: EngineStream, first: tuple, resolved: ResolvedRequest,
+                     text_streams: list[TextStream], clock: RequestClock, context: grpc.aio.ServicerContext,
+                     record: RequestRecord) -> None:
         """Engine messages -> client messages, one per batch of ids that arrived while the previous write was
-        under way; on a stop-string match, finish and leave (the caller cancels the engine call).
+        under way; returns once every completion (one TextStream per sampling.n index) has finished, and the
+        caller cancels the engine call. A stop-string match finishes its completion only: the engine's later
+        messages for that index are dropped (the engine aborts it when the call is cancelled).
 
         Written with context.write rather than yielded: no async generators between the relay and gRPC.
-        The timing on the last message is this service's own (RequestTiming is measured by its sender).
+        The timing on each last message is this service's own (RequestTiming is measured by its sender).
         """
-        num_ids = 0
+        num_ids = [0] * len(text_streams)
+        unfinished = set(range(len(text_streams)))
         taken = first
-        while True:
+        while unfinished:
             ids, engine_response = taken if taken is not None else await stream.take()
             taken = None
             if engine_response is None:
                 raise UnavailableError("the engine stream ended without a finish reason")
+            index = engine_response.index
+            logprobs = stream.take_logprobs()
+            if index not in unfinished:
+                continue
             if ids:
                 clock.mark_token()
-            logprobs = stream.take_logprobs()
+            text_stream = text_streams[index]
             ids, delta, matched = _push(text_stream, ids, bool(resolved.stops))
-            num_ids += len(ids)
-            record.num_completion_tokens = num_ids  # a cancelled call logs its count
+            num_ids[index] += len(ids)
+            record.num_completion_tokens = sum(num_ids)  # a cancelled call logs its count
             response = textgen_pb2.GenerateResponse(request_id=resolved.request_id, text=delta, token_ids=ids,
-                                                    usage=engine_response.usage)
+                                                    usage=engine_response.usage, index=index)
             if logprobs:
                 response.logprobs.extend(client_logprobs(self.tokenizer, logprobs, len(ids)))
             if matched is not None:
-                response.usage.completion_tokens = num_ids  # the ids past the match are not the client's
+                response.usage.completion_tokens = num_ids[index]  # the ids past the match are not the client's
                 response.finish_reason = common_pb2.FINISH_REASON_STOP
                 response.matched_stop_string = matched
-                response.timing.CopyFrom(clock.to_proto())
-                _finish(record, response)
-                await context.write(response)
-                return
-            if engine_response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            elif engine_response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 response.text += text_stream.finish()
                 response.finish_reason = engine_response.finish_reason
-                response.timing.CopyFrom(clock.to_proto())
                 if engine_response.HasField("matched_stop_token_id"):
                     response.matched_stop_token_id = engine_response.matched_stop_token_id
-                _finish(record, response)
-                await context.write(response)
-                return
+            if response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                unfinished.discard(index)
+                response.timing.CopyFrom(clock.to_proto())
+                if not unfinished:
+                    _finish(record, response)
             await context.write(response)
 
     async def Tokenize(self, request: textgen_pb2.TokenizeRequest, context) -> textgen_pb2.TokenizeResponse:

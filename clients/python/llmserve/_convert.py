@@ -39,6 +39,7 @@ SAMPLING_FIELDS = (
     "repetition_penalty",
     "presence_penalty",
     "frequency_penalty",
+    "n",
 )
 # Structured output: at most one (a oneof in SamplingParams); json_schema may also be given as a dict.
 CONSTRAINT_FIELDS = ("json_schema", "regex", "grammar", "json_object")
@@ -59,6 +60,7 @@ class GenerateOptions(TypedDict, total=False):
     repetition_penalty: float | None
     presence_penalty: float | None
     frequency_penalty: float | None
+    n: int | None
     json_schema: str | Mapping[str, Any] | None
     regex: str | None
     grammar: str | None
@@ -179,14 +181,12 @@ def _logprobs(position: common_pb2.PositionLogprobs) -> PositionLogprobs:
 class ResultBuilder:
     """Accumulates a Generate stream and checks its shape: messages, one carrying the finish reason, then the end."""
 
-    __slots__ = ("_request_id", "_texts", "_token_ids", "_logprobs", "_last")
+    __slots__ = ("_request_id", "_n", "_completions")
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, n: int = 1) -> None:
         self._request_id = request_id
-        self._texts: list[str] = []
-        self._token_ids: list[int] = []
-        self._logprobs: list[PositionLogprobs] = []
-        self._last: textgen_pb2.GenerateResponse | None = None
+        self._n = max(n, 1)  # sampling.n: the stream ends after this many completions finished
+        self._completions = [_Completion() for _ in range(self._n)]
 
     @property
     def request_id(self) -> str:
@@ -195,30 +195,60 @@ class ResultBuilder:
 
     @property
     def finished(self) -> bool:
-        """Whether the message carrying the finish reason has arrived."""
-        return self._last is not None and self._last.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+        """Whether every completion's message carrying its finish reason has arrived."""
+        return all(completion.finished for completion in self._completions)
 
     def add(self, response: textgen_pb2.GenerateResponse) -> str:
-        """Record one message and return its text delta."""
-        if self.finished:
+        """Record one message and return its text delta (of completion `response.index`)."""
+        if response.index >= self._n:
+            raise LLMServeError(grpc.StatusCode.INTERNAL, f"server sent completion index {response.index} of n={self._n}")
+        completion = self._completions[response.index]
+        if completion.finished:
             raise LLMServeError(grpc.StatusCode.INTERNAL, "server sent a message after the finishing one")
         self._request_id = response.request_id or self._request_id
-        self._texts.append(response.text)
-        self._token_ids.extend(response.token_ids)
-        self._logprobs.extend(_logprobs(p) for p in response.logprobs)
-        self._last = response
+        completion.add(response)
         return response.text
 
     def result(self) -> GenerationResult:
-        """The final result; raises LLMServeError if the stream ended without a finish reason."""
-        last = self._last
-        if last is None or not self.finished:
+        """The final result (completion 0's, with every completion in `completions` when n > 1); raises
+        LLMServeError if the stream ended without a finish reason."""
+        if not self.finished:
             raise LLMServeError(grpc.StatusCode.INTERNAL, "stream ended without a finish reason")
+        results = [completion.result(self._request_id) for completion in self._completions]
+        if self._n > 1:
+            results[0].completions = results
+        return results[0]
+
+
+class _Completion:
+    """The messages of one completion (one index) of a Generate stream."""
+
+    __slots__ = ("texts", "token_ids", "logprobs", "last")
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[PositionLogprobs] = []
+        self.last: textgen_pb2.GenerateResponse | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.last is not None and self.last.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+
+    def add(self, response: textgen_pb2.GenerateResponse) -> None:
+        self.texts.append(response.text)
+        self.token_ids.extend(response.token_ids)
+        self.logprobs.extend(_logprobs(p) for p in response.logprobs)
+        self.last = response
+
+    def result(self, request_id: str) -> GenerationResult:
+        last = self.last
+        assert last is not None
         usage = Usage(last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.cached_tokens)
         return GenerationResult(
-            request_id=self._request_id,
-            text="".join(self._texts),
-            token_ids=self._token_ids,
+            request_id=request_id,
+            text="".join(self.texts),
+            token_ids=self.token_ids,
             finish_reason=FinishReason(last.finish_reason),
             usage=usage,
             matched_stop_token_id=(
@@ -226,7 +256,8 @@ class ResultBuilder:
             ),
             matched_stop_string=last.matched_stop_string if last.HasField("matched_stop_string") else None,
             timing=_timing(last.timing) if last.HasField("timing") else None,
-            logprobs=self._logprobs,
+            logprobs=self.logprobs,
+            index=last.index,
         )
 
 

@@ -41,6 +41,7 @@ def _add_generate(subparsers: Any) -> None:
     parser.add_argument("--logprobs", type=int, metavar="N",
                         help="also report each token's log-probability and its N most likely alternatives (0-20); "
                              "printed on stderr after the text, or in --json")
+    parser.add_argument("--n", type=int, help="number of completions (1-16), printed one after another")
     parser.add_argument("--repetition-penalty", type=float, help="> 0; 1 = off (transformers' definition)")
     parser.add_argument("--presence-penalty", type=float, help="[-2, 2]; 0 = off (OpenAI's definition)")
     parser.add_argument("--frequency-penalty", type=float, help="[-2, 2]; 0 = off (OpenAI's definition)")
@@ -90,6 +91,7 @@ def _generate(client: LLMServeClient, args: argparse.Namespace) -> int:
         "max_tokens": args.max_tokens,
         "min_tokens": args.min_tokens,
         "num_logprobs": args.logprobs,
+        "n": args.n,
         "repetition_penalty": args.repetition_penalty,
         "presence_penalty": args.presence_penalty,
         "frequency_penalty": args.frequency_penalty,
@@ -114,6 +116,10 @@ def _generate(client: LLMServeClient, args: argparse.Namespace) -> int:
     with stream:
         if args.json:
             print(json.dumps(stream.result().to_dict(), ensure_ascii=False, indent=2))
+            return EXIT_OK
+        if args.n is not None and args.n > 1:
+            for completion in stream.result().completions:
+                print(f"[{completion.index}] {completion.text}")
             return EXIT_OK
         last = ""
         try:

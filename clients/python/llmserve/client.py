@@ -106,7 +106,7 @@ class LLMServeClient(_ClientBase):
         """Start generating for a text, token-id or chat prompt; iterate the result for text deltas.
 
         Options are the sampling fields (temperature, top_p, top_k, min_p, seed, max_tokens, min_tokens,
-        ignore_eos, num_logprobs, repetition_penalty, presence_penalty, frequency_penalty, stop_token_ids), at
+        ignore_eos, num_logprobs, repetition_penalty, presence_penalty, frequency_penalty, stop_token_ids, n), at
         most one structured-output constraint (json_schema as JSON text or a dict, regex, grammar in EBNF,
         json_object=True), stop strings, skip_special_tokens, include_stop_str_in_output and request_id; left out
         or None means the server's default. `timeout` bounds the whole stream, retries included; `retry` (a
@@ -115,7 +115,7 @@ class LLMServeClient(_ClientBase):
         request = build_generate_request(prompt, messages, options)
         retrier = Retrier(self._policy(retry), timeout, lambda remaining: self._stub.Generate(
             request, timeout=remaining, metadata=self._metadata))
-        return GenerationStream(retrier.first(), ResultBuilder(request.request_id), retrier)
+        return GenerationStream(retrier.first(), ResultBuilder(request.request_id, request.sampling.n), retrier)
 
     def complete(
         self,
@@ -202,7 +202,7 @@ class AsyncLLMServeClient(_ClientBase):
         request = build_generate_request(prompt, messages, options)
         retrier = AsyncRetrier(self._policy(retry), timeout, lambda remaining: self._stub.Generate(
             request, timeout=remaining, metadata=self._metadata))
-        return AsyncGenerationStream(retrier.first(), ResultBuilder(request.request_id), retrier)
+        return AsyncGenerationStream(retrier.first(), ResultBuilder(request.request_id, request.sampling.n), retrier)
 
     async def complete(
         self,

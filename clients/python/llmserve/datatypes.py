@@ -95,6 +95,8 @@ class GenerationResult:
     matched_stop_string: str | None = None
     timing: Timing | None = None
     logprobs: list[PositionLogprobs] = field(default_factory=list)
+    index: int = 0  # which completion (sampling n) this is
+    completions: list[GenerationResult] = field(default_factory=list)  # all n of them when n > 1, by index
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (finish_reason as a lower-case name, times as ISO strings and seconds; `logprobs` only
@@ -124,7 +126,14 @@ class GenerationResult:
         }
         if self.logprobs:
             result["logprobs"] = [position.to_dict() for position in self.logprobs]
+        if self.completions:
+            result["completions"] = [{"index": c.index} | (c.to_dict() if c is not self else _own(result))
+                                     for c in self.completions]
         return result
+
+
+def _own(result: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in result.items() if key != "completions"}
 
 
 @dataclass(slots=True, frozen=True)

@@ -34,10 +34,11 @@ class _Stream:
     """One request's outputs not yet taken by its reader."""
 
     __slots__ = ("request_id", "num_prompt_tokens", "pending", "pending_logprobs", "num_cached_tokens",
-                 "num_completion_tokens", "finished", "error", "waiter")
+                 "num_completion_tokens", "finished", "error", "waiter", "index")
 
-    def __init__(self, request_id: str, num_prompt_tokens: int):
+    def __init__(self, request_id: str, num_prompt_tokens: int, index: int = 0):
         self.request_id = request_id
+        self.index = index  # which of the request's sampling.n completions
         self.num_prompt_tokens = num_prompt_tokens
         self.pending: list[int] = []
         self.pending_logprobs: list = []  # TokenLogprobs, one per pending id, when the request asked for them
@@ -69,10 +70,11 @@ class _Stream:
         finished = self.finished
         if finished is None:
             return RequestOutput(self.request_id, ids, None, self.num_prompt_tokens, self.num_completion_tokens,
-                                 self.num_cached_tokens, logprobs=logprobs)
+                                 self.num_cached_tokens, logprobs=logprobs, index=self.index)
         return RequestOutput(self.request_id, ids, FinishReason(finished.finish_reason), finished.num_prompt_tokens,
                              finished.num_completion_tokens, finished.num_cached_tokens,
-                             finished.matched_stop_token_id, queue_time_s=finished.queue_time_s, logprobs=logprobs)
+                             finished.matched_stop_token_id, queue_time_s=finished.queue_time_s, logprobs=logprobs,
+                             index=self.index)
 
 
 class AsyncEngine:
@@ -162,32 +164,41 @@ class AsyncEngine:
             raise UnavailableError("engine is not available")
         if request_id in self._handles:
             raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
-        handle = next(self._next_handle)
-        stream = _Stream(request_id, len(prompt_token_ids))
-        self._streams[handle] = stream
+        handle = next(self._next_handle)  # completion i is handle + i: n consecutive handles
+        streams = [_Stream(request_id, len(prompt_token_ids), 0)]
+        streams += [_Stream(request_id, len(prompt_token_ids), next(self._next_handle) - handle)
+                    for _ in range(sampling.n - 1)]
+        for index, stream in enumerate(streams):
+            self._streams[handle + index] = stream
         self._handles[request_id] = handle
         self._commands.put(AddRequest(handle, request_id, prompt_token_ids, sampling, time.monotonic()))
-        finished = False
+        unfinished = list(streams)
         try:
-            while True:
-                if not stream.has_output(self._stream_interval):
-                    stream.waiter = self._loop.create_future()
-                    await stream.waiter
-                if stream.error is not None:
-                    finished = True
-                    raise stream.error
-                output = stream.take()
-                finished = output.finish_reason is not None
-                yield output
-                if finished:
-                    return
+            while unfinished:
+                ready = [stream for stream in unfinished if stream.has_output(self._stream_interval)]
+                if not ready:
+                    waiter = self._loop.create_future()  # any completion's output wakes the reader
+                    for stream in unfinished:
+                        stream.waiter = waiter
+                    await waiter
+                    continue
+                for stream in ready:
+                    if stream.error is not None:
+                        unfinished.clear()
+                        raise stream.error
+                    output = stream.take()
+                    if output.finish_reason is not None:
+                        unfinished.remove(stream)
+                        output.request_finished = not unfinished
+                    yield output
         finally:
-            self._streams.pop(handle, None)
+            for index in range(len(streams)):
+                self._streams.pop(handle + index, None)
             self._handles.pop(request_id, None)
-            if not finished and not self.core_lost:
+            if unfinished and not self.core_lost:
                 self._commands.put(AbortRequests([request_id]))
-                if stream.finished is None:  # else the core has counted it already
-                    self._aborting.add(handle)
+                if not any(stream.finished is not None and stream.finished.request_finished for stream in streams):
+                    self._aborting.add(handle)  # else the core has counted it already
 
     def is_live(self, request_id: str) -> bool:
         """Whether this front has a stream open for the request."""
@@ -272,7 +283,8 @@ class AsyncEngine:
             if stream.has_output(interval):
                 stream.wake()
         for finished in message.finished:
-            self._aborting.discard(finished.handle)
+            if finished.request_finished:
+                self._aborting.discard(finished.request_handle)
             stream = streams.get(finished.handle)
             if stream is not None:
                 stream.finished = finished

@@ -155,6 +155,7 @@ class CoreLoop:
             if route is None:
                 continue
             front, handle = route
+            handle += output.index
             batch = per_front.get(front)
             if batch is None:
                 batch = per_front[front] = (array("q"), array("q"), array("q"), [])
@@ -166,12 +167,14 @@ class CoreLoop:
             batch[0].append(handle)
             batch[1].append(output.new_token_ids[-1] if output.new_token_ids else NO_TOKEN)
             batch[2].append(output.num_cached_tokens)
-            if output.finish_reason is not None:
+            if output.request_finished:
                 del routes[output.request_id]
                 self._num_finished_requests += 1
+            if output.finish_reason is not None:
                 batch[3].append(FinishedRequest(handle, int(output.finish_reason), output.num_prompt_tokens,
                                                 output.num_completion_tokens, output.num_cached_tokens,
-                                                output.matched_stop_token_id, output.queue_time_s))
+                                                output.matched_stop_token_id, output.queue_time_s,
+                                                route[1], output.request_finished))
         stats = self.core.stats()
         events = self.core.take_kv_events()  # None unless a front subscribes
         kv_events = (events.block_hashes, events.cached) if events else None

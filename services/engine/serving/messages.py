@@ -32,7 +32,10 @@ NO_TOKEN = -1  # in StepOutputs.token_ids: this output carries no token (an abor
 
 @dataclass(slots=True)
 class AddRequest:
-    """Admit a request; the core answers with its outputs, or with AddRejected."""
+    """Admit a request; the core answers with its outputs, or with AddRejected.
+
+    With sampling.n > 1, completion i's outputs carry handle `handle + i` (the front reserves n handles).
+    """
 
     handle: int
     request_id: str
@@ -74,6 +77,9 @@ class FinishedRequest:
     num_cached_tokens: int
     matched_stop_token_id: int | None
     queue_time_s: float | None = None  # arrival to first scheduled, in the core; None if it never ran
+    # With sampling.n > 1 completion i has handle AddRequest.handle + i; one of these per completion.
+    request_handle: int = -1  # AddRequest.handle of its request
+    request_finished: bool = True  # the request's last completion to finish
 
 
 @dataclass(slots=True)

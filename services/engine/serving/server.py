@@ -65,7 +65,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     if output.new_token_ids:
                         clock.mark_token()
                     record.num_completion_tokens = output.num_completion_tokens  # a cancelled call logs its count
-                    if output.finished:
+                    if output.request_finished:  # the last completion's (sampling.n): one record per request
                         record.finish(output.finish_reason, output.num_prompt_tokens, output.num_completion_tokens,
                                       output.num_cached_tokens)
                         record.queue_time_s = output.queue_time_s
