@@ -18,7 +18,7 @@ from services.engine.core.interfaces import EngineStats, ModelRunner, RequestOut
 from services.engine.core.request_validator import RequestValidator
 from services.engine.core.sampling_params import SamplingParams
 from services.engine.core.scheduler import Scheduler
-from services.engine.core.sequence import FinishReason, Sequence, SequenceStatus
+from services.engine.core.sequence import FinishReason, Sequence
 
 
 class EngineCore:
@@ -97,13 +97,9 @@ class EngineCore:
         seqs = self._live.pop(request_id, None)
         if seqs is None:
             return False
-        waiting = self._siblings.pop(request_id, [])
-        for seq in seqs:
-            if any(seq is sibling for sibling in waiting):
-                seq.status = SequenceStatus.FINISHED  # never scheduled: nothing to free
-                seq.finish_reason = FinishReason.ABORTED
-            else:
-                self.scheduler.abort(seq)
+        self._siblings.pop(request_id, None)
+        for seq in seqs:  # NOTE: Scheduler.abort also ends a sibling never queued (it holds no blocks)
+            self.scheduler.abort(seq)
             self._aborted.append(seq)
         return True
 
