@@ -44,7 +44,7 @@ def main() -> None:
     llm = LLM(args.model, max_model_len=max(args.prompt_lens) + args.tokens + 16, num_kvcache_blocks=512)
     print(f"{'prompt':>6} {'n=4 s':>8} {'4 reqs s':>9} {'ratio':>6}  prompt tokens computed/cached (n=4 | 4 reqs)")
     for length in args.prompt_lens:
-        prompt = [(7 * i + 11) % 1000 + 5 for i in range(length)]
+        prompt = [(7 * i + 11) % 400 + 5 for i in range(length)]
         _run(llm, prompt, args.tokens, True)  # warm-up
         times = {True: [], False: []}
         stats = {}
