@@ -238,6 +238,17 @@ class MetricsEndpoint:
             del os.environ[MULTIPROC_ENV]
 
 
+def call_counters(registry=None) -> tuple:
+    """The two counters both services define with one meaning: calls ended by gRPC status code, and
+    requests finished by finish reason (vLLM's llmserve_request_success)."""
+    from prometheus_client import Counter
+
+    requests = Counter("llmserve_requests", "Generate calls ended, by gRPC status code", ["code"], registry=registry)
+    success = Counter("llmserve_request_success", "Requests finished, by finish reason (stop, length, abort)",
+                      ["finished_reason"], registry=registry)
+    return requests, success
+
+
 def require_multiprocess() -> None:
     """Raise unless this process records into the service's multiprocess directory (set before the import)."""
     if not os.environ.get(MULTIPROC_ENV) or not _multiprocess_values():

@@ -11,7 +11,7 @@ answer code (RequestRecord.engine / engine_code) are recorded when the request e
 """
 
 from services.common.metrics import (
-    CLIENT_GONE_CODES, REQUEST_BUCKETS_S, TTFT_BUCKETS_S, RequestRecord, require_multiprocess)
+    CLIENT_GONE_CODES, REQUEST_BUCKETS_S, TTFT_BUCKETS_S, RequestRecord, call_counters, require_multiprocess)
 
 _metrics: "TokenizerMetrics | None" = None
 
@@ -24,10 +24,7 @@ class TokenizerMetrics:
 
         if registry is None:
             require_multiprocess()
-        self.requests = Counter("llmserve_requests", "Generate calls ended, by gRPC status code", ["code"],
-                                registry=registry)
-        self.request_success = Counter("llmserve_request_success", "Requests finished, by finish reason "
-                                       "(stop, length, abort)", ["finished_reason"], registry=registry)
+        self.requests, self.request_success = call_counters(registry)
         self.in_flight = Gauge("llmserve_num_requests_in_flight", "Generate calls in progress",
                                multiprocess_mode="livesum", registry=registry)
         self.ttft = Histogram("llmserve_time_to_first_token_seconds", "Time from a call's arrival to its first "

@@ -10,7 +10,8 @@ Names follow vLLM's (`vllm:x` -> `llmserve_x`) where vLLM has the metric.
 from collections.abc import Callable
 
 from services.common.metrics import (
-    ITL_BUCKETS_S, REQUEST_BUCKETS_S, TTFT_BUCKETS_S, RequestRecord, observe_many, require_multiprocess)
+    ITL_BUCKETS_S, REQUEST_BUCKETS_S, TTFT_BUCKETS_S, RequestRecord, call_counters, observe_many,
+    require_multiprocess)
 from services.engine.core.interfaces import EngineStats
 
 
@@ -19,14 +20,11 @@ class EngineMetrics:
 
     def __init__(self, registry=None):
         """registry=None (serving): the multiprocess directory; a CollectorRegistry in unit tests."""
-        from prometheus_client import Counter, Histogram
+        from prometheus_client import Histogram
 
         if registry is None:
             require_multiprocess()
-        self.requests = Counter("llmserve_requests", "Generate calls ended, by gRPC status code", ["code"],
-                                registry=registry)
-        self.request_success = Counter("llmserve_request_success", "Requests finished, by finish reason "
-                                       "(stop, length, abort)", ["finished_reason"], registry=registry)
+        self.requests, self.request_success = call_counters(registry)
         self.ttft = Histogram("llmserve_time_to_first_token_seconds", "Time from a call's arrival at the front to "
                               "its first token there", buckets=TTFT_BUCKETS_S, registry=registry)
         self.inter_token = Histogram("llmserve_inter_token_latency_seconds", "Time between two tokens of a request "
