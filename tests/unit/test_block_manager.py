@@ -202,18 +202,19 @@ def test_reused_block_loses_its_cache_entry():
     assert fits(manager, [3, 3, 3, 3, 3]) == (True, 0)
 
 
-def test_reusing_a_duplicate_block_keeps_the_entry_of_its_twin():
+def test_a_duplicate_block_stays_unhashed_and_is_reused_before_its_cached_twin():
     manager = BlockManager(3, BLOCK_SIZE)
     first = admit(manager, [1, 1, 1, 1])
-    second = admit(manager, [1, 1, 1, 1])
+    second = admit(manager, [1, 1, 1, 1])  # no hit: first's block is not computed yet
     compute(manager, first)
     compute(manager, second)
-    twin_block_ids = list(second.block_table)
+    [cached_block_id], [duplicate_block_id] = first.block_table, second.block_table
+    assert manager.block_hashes[duplicate_block_id] is None
     manager.deallocate(first)
     manager.deallocate(second)
-    admit(manager, [5])
-    admit(manager, [6])  # reuses first's block, whose hash now maps to second's block
-    assert manager.cached_prefix(make_seq([1, 1, 1, 1, 9])) == twin_block_ids
+    assert admit(manager, [5]).block_table == [duplicate_block_id]
+    admit(manager, [6])  # the never-used block: the cached twin is still last in line
+    assert manager.cached_prefix(make_seq([1, 1, 1, 1, 9])) == [cached_block_id]
 
 
 def test_hash_collision_with_other_tokens_is_a_miss(monkeypatch):

@@ -57,20 +57,20 @@ def test_a_hash_stored_and_evicted_within_one_drain_is_reported_removed_only():
     assert not events.stored_block_hashes
 
 
-def test_a_recomputed_duplicate_is_no_event_and_evicting_its_twin_removes_nothing():
+def test_a_recomputed_duplicate_is_no_event_and_reusing_it_removes_nothing():
     manager = BlockManager(num_blocks=4, block_size=BLOCK_SIZE)
     manager.record_events(True)
     prompt = list(range(5))
     [block_hash] = prompt_block_hashes(prompt, BLOCK_SIZE)
     first, second = admit(manager, prompt), admit(manager, prompt)  # neither hits: nothing computed yet
     compute(manager, first)
-    compute(manager, second)  # the same hash again, in another block
+    compute(manager, second)  # the same hash again, in another block: that block stays unhashed
     assert list(manager.take_events().stored_block_hashes) == [block_hash]
-    manager.deallocate(first)  # the older twin, now unmapped, is evicted first
+    manager.deallocate(first)
     manager.deallocate(second)
-    admit(manager, list(range(100, 112)))  # three blocks: the two unhashed ones, then the older twin
+    admit(manager, list(range(100, 112)))  # three blocks: the three unhashed ones, the duplicate among them
     assert not manager.take_events() and block_hash in manager.hash_to_block_id
-    admit(manager, list(range(200, 204)))  # the mapped twin goes now
+    admit(manager, list(range(200, 204)))  # the cached block goes now
     assert list(manager.take_events().removed_block_hashes) == [block_hash]
     assert not manager.hash_to_block_id
 
@@ -130,7 +130,11 @@ def test_replayed_events_always_equal_the_cached_hashes(seed):
         elif action < 0.93 and subscriber is not None:
             manager.record_events(False)
             subscriber = None
-        num_twins += any(block_hash is not None and manager.hash_to_block_id.get(block_hash) != block_id
-                         for block_id, block_hash in enumerate(manager.block_hashes))
+        assert all(block_hash is None or manager.hash_to_block_id[block_hash] == block_id
+                   for block_id, block_hash in enumerate(manager.block_hashes)), "a hashed block without its entry"
+        num_twins += any(seq.block_hashes[index] in manager.hash_to_block_id
+                         and manager.hash_to_block_id[seq.block_hashes[index]] != block_id
+                         for seq in live
+                         for index, block_id in enumerate(seq.block_table[:seq.num_cached_tokens // BLOCK_SIZE]))
     assert num_checks > 20
     assert num_twins > 0, "the run never had a recomputed duplicate: make it cover one"

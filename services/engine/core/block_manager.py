@@ -247,13 +247,18 @@ class BlockManager:
         for index in range(first, end):
             block_id = seq.block_table[index]
             block_hash = seq.block_hashes[index]
+            # NOTE: a block computed twice (two sequences prefilling the same prefix in one step) finds its hash
+            # already mapped to its twin: the twin keeps the entry and this block stays unhashed, so it is
+            # reused first once freed instead of holding an LRU slot no lookup can reach.
+            mapped_block_id = hash_to_block_id.get(block_hash)
+            if mapped_block_id is None:
+                hash_to_block_id[block_hash] = block_id
+                if events is not None:
+                    events[block_hash] = True
+            elif mapped_block_id != block_id:
+                continue
             self.block_hashes[block_id] = block_hash
             self.block_keys[block_id] = seq.block_keys[index]
-            # NOTE: a recomputed block may carry a hash already mapped to another block: the map moves to this
-            # block and the hash stays cached (no event); the older block keeps its hash but no map entry.
-            if events is not None and block_hash not in hash_to_block_id:
-                events[block_hash] = True
-            hash_to_block_id[block_hash] = block_id
 
     def _extend_hash_chain(self, seq: Sequence, num_blocks: int) -> None:
         """Hash `seq`'s leading full blocks up to `num_blocks`, each once per sequence (kept on it)."""
@@ -269,10 +274,9 @@ class BlockManager:
         block_id = self._free.pop_head()
         block_hash = self.block_hashes[block_id]
         if block_hash is not None:
-            if self.hash_to_block_id.get(block_hash) == block_id:  # else the hash lives on in another block
-                del self.hash_to_block_id[block_hash]
-                if self._events is not None:
-                    self._events[block_hash] = False
+            del self.hash_to_block_id[block_hash]  # every hashed block holds its hash's entry
+            if self._events is not None:
+                self._events[block_hash] = False
             self.block_hashes[block_id] = None
             self.block_keys[block_id] = None
         self.ref_counts[block_id] = 1
