@@ -81,6 +81,18 @@ def fake_logprobs(token_id: int, text: str, num_top: int) -> common_pb2.Position
     return common_pb2.PositionLogprobs(sampled=sampled, top=top)
 
 
+def _n_completions(request_id: str, reply: FakeReply, n: int):
+    """Completion i is the reply with "#i" after each word; each position's messages come last index first."""
+    for position, piece in enumerate(reply.pieces):
+        for index in reversed(range(n)):
+            response = textgen_pb2.GenerateResponse(request_id=request_id, index=index,
+                                                    text=piece.replace(" ", f"#{index} "))
+            response.token_ids.append(reply.token_ids[position])
+            if position == len(reply.pieces) - 1:
+                response.finish_reason = reply.finish_reason
+            yield response
+
+
 def _abort(context: grpc.ServicerContext, code: int, message: str, *details: object) -> None:
     status = status_pb2.Status(code=code, message=message)
     for detail in details:
@@ -122,6 +134,10 @@ class FakeTextGeneration(textgen_pb2_grpc.TextGenerationServiceServicer):
             yield textgen_pb2.GenerateResponse(request_id=request_id, text=reply.pieces[0])
             return
         num_prompt = len(prompt_words(request))
+        if request.sampling.n > 1:
+            yield from _n_completions(request_id, reply, request.sampling.n)
+            done.set()
+            return
         for index, piece in enumerate(reply.pieces):
             last = index == len(reply.pieces) - 1
             response = textgen_pb2.GenerateResponse(request_id=request_id, text=piece)

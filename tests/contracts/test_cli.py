@@ -165,3 +165,17 @@ def test_target_comes_from_the_environment(fake_server):
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["model_name"] == "fake-model"
+
+
+def test_generate_n_prints_each_completion_on_its_own_line(fake_server):
+    proc = run_cli("generate", "a b", "--n", "3", "--target", fake_server.target)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["[0] b#0 a#0 ", "[1] b#1 a#1 ", "[2] b#2 a#2 "]
+    assert fake_server.servicer.requests[-1].sampling.n == 3
+
+
+def test_generate_n_json_lists_the_completions(fake_server):
+    proc = run_cli("generate", "a b", "--n", "2", "--json", "--target", fake_server.target)
+    assert proc.returncode == 0, proc.stderr
+    completions = json.loads(proc.stdout)["completions"]
+    assert [(c["index"], c["text"]) for c in completions] == [(0, "b#0 a#0 "), (1, "b#1 a#1 ")]
