@@ -11,6 +11,7 @@ import asyncio
 import os
 import re
 import signal
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -18,6 +19,7 @@ import pytest
 
 from llmserve.engine.v1 import engine_pb2_grpc
 from llmserve.textgen.v1 import textgen_pb2_grpc
+from services.engine.serving.engine_process import STATS_ONLY_INTERVAL_S
 from tests.faults.stack import (
     ENGINE_SERVICE, START_TIMEOUT_S, TEXTGEN_SERVICE, FaultStack, greedy_request, kill_tree, start_engine,
     start_tokenizer)
@@ -85,10 +87,14 @@ def test_one_engine_killed_fails_only_its_own_streams(two_engines):
     counts = {}
 
     def kill_victim() -> None:
-        # A front that has no stream of its own hears the core's figures only every few tens of ms: read them
-        # once they count every stream (none can finish meanwhile), then again, final, with both cores paused.
+        # Each engine has two fronts, and GetLoad lands on either. The front holding the streams hears every
+        # step; the other hears the core's figures only every STATS_ONLY_INTERVAL_S, so one reading of 12 can
+        # come from the first while the second still holds an older figure. Once every stream runs (none can
+        # finish meanwhile) the figures stay put: wait out that interval twice so every front has heard them,
+        # then read them, final, with both cores paused.
         poll_until(lambda: True if running(stack.engine_target) + running(victim.engine.target) == NUM_STREAMS
                    else None, ENDED_WITHIN_S, "both engines to report every stream running")
+        time.sleep(2 * STATS_ONLY_INTERVAL_S)
         with paused(survivor_core):
             os.kill(engine_core_pid(victim.engine.proc.pid), signal.SIGSTOP)  # never resumed: killed below
             counts["survivor"], counts["victim"] = running(stack.engine_target), running(victim.engine.target)
