@@ -40,16 +40,28 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., matched_stop_token_id: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.RequestTiming, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.PositionLogprobs, _Mapping]]] = ..., num_preemptions: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_ids",)
+    __slots__ = ("request_ids", "completions")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    completions: _containers.RepeatedCompositeFieldContainer[CompletionRef]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., completions: _Optional[_Iterable[_Union[CompletionRef, _Mapping]]] = ...) -> None: ...
+
+class CompletionRef(_message.Message):
+    __slots__ = ("request_id", "index")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    index: int
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
-    __slots__ = ("aborted_request_ids",)
+    __slots__ = ("aborted_request_ids", "aborted_completions")
     ABORTED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     aborted_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, aborted_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    aborted_completions: _containers.RepeatedCompositeFieldContainer[CompletionRef]
+    def __init__(self, aborted_request_ids: _Optional[_Iterable[str]] = ..., aborted_completions: _Optional[_Iterable[_Union[CompletionRef, _Mapping]]] = ...) -> None: ...
 
 class GetEngineInfoRequest(_message.Message):
     __slots__ = ()

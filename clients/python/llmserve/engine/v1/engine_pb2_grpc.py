@@ -79,8 +79,11 @@ class EngineServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Aborts in-flight requests by id. Each aborted request's Generate stream
-        ends with a FINISH_REASON_ABORTED message and status OK.
+        """Aborts in-flight requests by id, or single completions of a request with
+        sampling.n > 1. Each aborted request's Generate stream ends with a
+        FINISH_REASON_ABORTED message and status OK; an aborted completion's part
+        of the stream ends with a FINISH_REASON_ABORTED message of its index while
+        the other completions go on.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
