@@ -56,12 +56,12 @@ MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (O
 
 
 def check_sampling(*, temperature: float, top_k: int, top_p: float, min_p: float, max_tokens: int,
-                   min_tokens: int, seed: int | None, n: int = 1) -> None:
+                   min_tokens: int, seed: int | None, n: int = 1, best_of: int | None = None) -> None:
     """Raise InvalidRequestError("sampling.<name>") for the first value out of its documented range.
 
     temperature: finite, >= 0 (0 = greedy). top_k: >= 1, or 0 / -1 to disable it. top_p: (0, 1].
     min_p: [0, 1). max_tokens >= 1. min_tokens: [0, max_tokens]. seed: None or >= 0. n: [1, MAX_N].
-    NaN fails every range.
+    best_of: None or [n, MAX_N]. NaN fails every range.
     """
     if not (math.isfinite(temperature) and temperature >= 0.0):
         raise InvalidRequestError("sampling.temperature", f"must be a finite number >= 0, got {temperature}")
@@ -79,6 +79,8 @@ def check_sampling(*, temperature: float, top_k: int, top_p: float, min_p: float
         raise InvalidRequestError("sampling.seed", f"must be >= 0, got {seed}")
     if not 1 <= n <= MAX_N:
         raise InvalidRequestError("sampling.n", f"must be in [1, {MAX_N}], got {n}")
+    if best_of is not None and not n <= best_of <= MAX_N:
+        raise InvalidRequestError("sampling.best_of", f"must be in [n={n}, {MAX_N}], got {best_of}")
 
 
 def check_wire_sampling(*, top_k: int | None) -> None:

@@ -11,6 +11,7 @@ from array import array
 from collections.abc import Collection
 
 from services.engine.core.admission import AdmissionRate
+from services.engine.core.best_of import BestOfSelector
 from services.engine.core.config import SchedulerConfig
 from services.engine.core.block_manager import KvCacheEvents
 from services.engine.core.errors import DuplicateRequestError, QueueFullError
@@ -42,7 +43,8 @@ class EngineCore:
         # request id -> completions 1..n-1 not yet given to the scheduler: they wait until completion 0's prompt
         # is computed, then hit the prefix cache for every full prompt block (prefill once, share the KV blocks)
         self._siblings: dict[str, list[Sequence]] = {}
-        self._aborted: list[Sequence] = []
+        self._aborted: list[tuple[Sequence, bool]] = []  # aborted completions to report; True: it ended its request
+        self._best_of = BestOfSelector()  # best_of > n requests, whose outputs wait until all completions finished
         self._seq_ids = itertools.count()
         self._admission_rate = AdmissionRate()
         self._take_logprobs = getattr(runner, "take_logprobs", None)  # optional (see interfaces.ModelRunner)
@@ -63,7 +65,7 @@ class EngineCore:
         self.validate_request(prompt_token_ids, sampling)
         if sampling.constraint is not None:
             self.runner.compile_grammar(sampling)  # an invalid grammar is rejected here, before it is queued
-        if request_id in self._live or any(seq.request_id == request_id for seq in self._aborted):
+        if request_id in self._live or any(seq.request_id == request_id for seq, _ in self._aborted):
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
         if self.config.max_waiting > 0:
             num_queued = self.scheduler.num_queued
@@ -75,6 +77,8 @@ class EngineCore:
                          sampling=child, arrival_time=arrival, index=index)
                 for index, child in enumerate(_completion_params(sampling))]
         self._live[request_id] = seqs
+        if len(seqs) > sampling.n:
+            self._best_of.hold(request_id, sampling.n, keep_logprobs=sampling.num_logprobs is not None)
         self.scheduler.add(seqs[0])
         if len(seqs) > 1 and self.config.enable_prefix_caching:
             self._siblings[request_id] = seqs[1:]  # admitted once seqs[0]'s prompt is cached (see step)
@@ -98,19 +102,51 @@ class EngineCore:
         if seqs is None:
             return False
         self._siblings.pop(request_id, None)
-        for seq in seqs:  # NOTE: Scheduler.abort also ends a sibling never queued (it holds no blocks)
+        for position, seq in enumerate(seqs):  # NOTE: Scheduler.abort also ends a sibling never queued (no blocks)
             self.scheduler.abort(seq)
-            self._aborted.append(seq)
+            self._aborted.append((seq, position == len(seqs) - 1))
         return True
+
+    def abort_completion(self, request_id: str, index: int) -> bool:
+        """Stop one completion (sampling.n > 1) now and free its blocks; the next step() reports it ABORTED while
+        its siblings go on. Blocks it shares with them (the prompt's) only lose its reference.
+
+        Idempotent: returns True only if that completion was live. A best_of > n request has no reportable
+        completion before all have finished, so its completions are not aborted one by one (False).
+        """
+        seqs = self._live.get(request_id)
+        if seqs is None or self._best_of.holds(request_id):
+            return False
+        seq = next((seq for seq in seqs if seq.index == index), None)
+        if seq is None:
+            return False
+        if len(seqs) == 1:
+            return self.abort_request(request_id)
+        seqs.remove(seq)
+        self._replace_in_siblings(request_id, seq)
+        self.scheduler.abort(seq)
+        self._aborted.append((seq, False))
+        return True
+
+    def _replace_in_siblings(self, request_id: str, seq: Sequence) -> None:
+        """Keep the siblings' wait right when `seq` goes: a waiting sibling just leaves; when the one computing
+        the prompt goes, the next sibling is queued to compute it instead (the rest wait for that one)."""
+        waiting = self._siblings.get(request_id)
+        if not waiting:
+            return
+        if seq in waiting:
+            waiting.remove(seq)
+        else:
+            self.scheduler.add(waiting.pop(0))
+        if not waiting:
+            del self._siblings[request_id]
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; one output per request that got a token, finished or was aborted.
 
         A finished request leaves `_live` here, so its id is free again once its final output is returned.
         """
-        outputs = [_output_of(seq, [], request_finished=i + 1 == len(self._aborted)
-                              or self._aborted[i + 1].request_id != seq.request_id)
-                   for i, seq in enumerate(self._aborted)]
+        outputs = [_output_of(seq, [], request_finished=request_finished) for seq, request_finished in self._aborted]
         self._aborted.clear()
         num_admitted = self.scheduler.num_admitted
         batch = self.scheduler.schedule()
@@ -127,7 +163,7 @@ class EngineCore:
                 position = logprobs.get(seq.seq_id) if logprobs else None
                 outputs.append(_output_of(seq, [seq.last_token_id], None if position is None else [position],
                                           request_finished))
-        return outputs
+        return self._best_of.select(outputs) if self._best_of else outputs
 
     def _admit_siblings(self, request_id: str) -> None:
         """Give a request's waiting completions to the scheduler: its first sampled a token, so the prompt's
@@ -182,11 +218,18 @@ class EngineCore:
 
 
 def _completion_params(sampling: SamplingParams) -> list[SamplingParams]:
-    """One SamplingParams per completion (n=1 each): completion i draws with seed + i when seeded."""
-    if sampling.n == 1:
+    """One SamplingParams per generated completion (n=1 each; best_of of them when set): completion i draws with
+    seed + i when seeded. best_of > n ranks by the sampled tokens' logprobs, so it asks for them (num_logprobs 0:
+    the sampled token's only) when the request did not."""
+    num_generated = sampling.num_generated
+    if num_generated == 1:
         return [sampling]
-    return [dataclasses.replace(sampling, n=1, seed=None if sampling.seed is None else sampling.seed + index)
-            for index in range(sampling.n)]
+    num_logprobs = sampling.num_logprobs
+    if num_generated > sampling.n and num_logprobs is None:
+        num_logprobs = 0
+    return [dataclasses.replace(sampling, n=1, best_of=None, num_logprobs=num_logprobs,
+                                seed=None if sampling.seed is None else sampling.seed + index)
+            for index in range(num_generated)]
 
 
 def _output_of(seq: Sequence, new_token_ids: list[int], logprobs: list | None = None,

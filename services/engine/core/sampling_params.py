@@ -22,6 +22,9 @@ class SamplingParams:
     or output (transformers' definition); `presence_penalty` and `frequency_penalty` subtract
     presence * [count > 0] + frequency * count over the output tokens (OpenAI's definition).
     `n` completions share the prompt's KV blocks; completion i samples as n=1 with seed + i would.
+    `best_of` (None = n) > n generates best_of such completions and keeps the n with the highest cumulative raw
+    logprob of their sampled tokens, best first; the engine holds them back until all have finished
+    (services.engine.core.best_of).
     Invalid values raise InvalidRequestError with the contract's field name ("sampling.top_p").
 
     Structured output: at most one of `json_schema` (JSON text), `regex`, `grammar` (EBNF) or `json_object`
@@ -47,6 +50,7 @@ class SamplingParams:
     grammar: str | None = None
     json_object: bool = False
     n: int = 1
+    best_of: int | None = None
     constraint: tuple[str, str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -63,13 +67,19 @@ class SamplingParams:
 
     def _check_ranges(self) -> None:
         check_sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                       max_tokens=self.max_tokens, min_tokens=self.min_tokens, seed=self.seed, n=self.n)
+                       max_tokens=self.max_tokens, min_tokens=self.min_tokens, seed=self.seed, n=self.n,
+                       best_of=self.best_of)
         check_extras(num_logprobs=self.num_logprobs, repetition_penalty=self.repetition_penalty,
                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
 
     def _check_constraint(self) -> tuple[str, str] | None:
         return check_constraint(json_schema=self.json_schema, regex=self.regex, grammar=self.grammar,
                                 json_object=self.json_object, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens)
+
+    @property
+    def num_generated(self) -> int:
+        """How many completions the engine generates: best_of when set, else n."""
+        return self.best_of if self.best_of is not None else self.n
 
     @property
     def is_greedy(self) -> bool:
