@@ -85,7 +85,8 @@ def resolve_sampling(proto: common_pb2.SamplingParams, defaults: dict, num_promp
     check_sampling(temperature=resolved.temperature, top_k=resolved.top_k, top_p=resolved.top_p,
                    min_p=resolved.min_p, max_tokens=resolved.max_tokens, min_tokens=resolved.min_tokens,
                    seed=resolved.seed if resolved.HasField("seed") else None,
-                   n=resolved.n if resolved.HasField("n") else 1)
+                   n=resolved.n if resolved.HasField("n") else 1,
+                   best_of=resolved.best_of if resolved.HasField("best_of") else None)
     check_extras(num_logprobs=resolved.num_logprobs if resolved.HasField("num_logprobs") else None,
                  repetition_penalty=resolved.repetition_penalty if resolved.HasField("repetition_penalty") else 1.0,
                  presence_penalty=resolved.presence_penalty, frequency_penalty=resolved.frequency_penalty)

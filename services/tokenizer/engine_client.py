@@ -12,6 +12,7 @@ from services.common.errors import UnavailableError, UpstreamStatusError
 from services.common.grpc_server import CLIENT_OPTIONS
 
 logger = logging.getLogger(__name__)
+ABORT_TIMEOUT_S = 5.0  # an Abort is answered between two engine steps
 
 # Reconnect quickly after the engine restarts instead of gRPC's default backoff of up to two minutes.
 _CHANNEL_OPTIONS = CLIENT_OPTIONS + [
@@ -58,6 +59,19 @@ class EngineClient:
 
     def generate(self, request: engine_pb2.GenerateRequest, timeout_s: float | None):
         return self.stub.Generate(request, timeout=timeout_s)
+
+    async def abort_completion(self, request_id: str, index: int, timeout_s: float = ABORT_TIMEOUT_S) -> bool:
+        """Ask the engine to stop generating one completion of an n > 1 request (a stop string ended its text
+        here) while its siblings go on. False when the engine could not be told (logged): that costs only the
+        compute of the tokens nobody reads, and the whole request is aborted when its call ends anyway."""
+        ref = engine_pb2.CompletionRef(request_id=request_id, index=index)
+        try:
+            await self.stub.Abort(engine_pb2.AbortRequest(completions=[ref]), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("engine %s did not abort completion %d of %s: %s", self.target, index, request_id,
+                           exc.code().name)
+            return False
+        return True
 
     async def num_queued(self, timeout_s: float = 2.0) -> int | None:
         """running + waiting from GetLoad, or None when the engine does not answer."""

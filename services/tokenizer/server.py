@@ -69,7 +69,7 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
         record.num_prompt_tokens, record.admitted = len(resolved.prompt_ids), True
         member, stream, first = await self._start(resolved, context, record)
         try:
-            await self._relay(stream, first, resolved, text_streams, clock, context, record)
+            await self._relay(stream, first, resolved, text_streams, clock, context, record, member.client)
         except grpc.aio.AioRpcError as exc:
             record.engine_code = exc.code().name
             raise upstream_error(exc) from None
@@ -109,11 +109,12 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
 
     async def _relay(self, stream: EngineStream, first: tuple, resolved: ResolvedRequest,
                      text_streams: list[TextStream], clock: RequestClock, context: grpc.aio.ServicerContext,
-                     record: RequestRecord) -> None:
+                     record: RequestRecord, engine: EngineClient) -> None:
         """Engine messages -> client messages, one per batch of ids that arrived while the previous write was
         under way; returns once every completion (one TextStream per sampling.n index) has finished, and the
-        caller cancels the engine call. A stop-string match finishes its completion only: the engine's later
-        messages for that index are dropped (the engine aborts it when the call is cancelled).
+        caller cancels the engine call (which aborts the engine request). A stop-string match finishes its
+        completion only: while others go on, the engine is told to abort that one (before its final message is
+        written, so a client that saw it knows the engine stopped it) and its later messages are dropped.
 
         Written with context.write rather than yielded: no async generators between the relay and gRPC.
         The timing on each last message is this service's own (RequestTiming is measured by its sender).
@@ -151,6 +152,8 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
                     response.matched_stop_token_id = engine_response.matched_stop_token_id
             if response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 unfinished.discard(index)
+                if matched is not None and unfinished and not _held_back(resolved.sampling):
+                    await engine.abort_completion(engine_response.request_id, index)
                 response.timing.CopyFrom(clock.to_proto())
                 if not unfinished:
                     _finish(record, response)
@@ -212,6 +215,11 @@ def health_follower(state: ServingState):
 def _finish(record: RequestRecord, response: textgen_pb2.GenerateResponse) -> None:
     usage = response.usage
     record.finish(response.finish_reason, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+
+
+def _held_back(sampling: common_pb2.SamplingParams) -> bool:
+    """best_of > n: the engine sends every completion whole once all have finished (none is left to abort)."""
+    return sampling.HasField("best_of") and sampling.best_of > max(sampling.n, 1)
 
 
 def _push(text_stream: TextStream, ids: list[int], has_stops: bool) -> tuple[list[int], str, str | None]:

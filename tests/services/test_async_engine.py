@@ -346,7 +346,7 @@ def test_two_fronts_share_one_core_and_abort_each_others_requests():
             assert first_a.new_token_ids == [runner.token("a", 0)]
             with pytest.raises(DuplicateRequestError):
                 await between_steps(h, anext(front_b.generate("a", prompt(4, 600), greedy(2))))
-            assert await between_steps(h, front_b.abort_any(["a", "nobody"])) == ["a"]
+            assert await between_steps(h, front_b.abort_any(["a", "nobody"])) == (["a"], [])
             runner.open()
             rest = [output async for output in a_stream]
             assert rest[-1].finish_reason == FinishReason.ABORTED

@@ -204,13 +204,15 @@ class AsyncEngine:
         """Whether this front has a stream open for the request."""
         return request_id in self._handles
 
-    async def abort_any(self, request_ids: list[str]) -> list[str]:
-        """Abort these ids on whichever front they run; return the ones that were live."""
+    async def abort_any(self, request_ids: list[str], completions: list[tuple[str, int]] = ()
+                        ) -> tuple[list[str], list[tuple[str, int]]]:
+        """Abort these ids, then these (request id, index) completions, on whichever front they run; return the
+        ids and the completions that were live."""
         if self.core_lost:
             raise UnavailableError("engine is not available")
         query_id = next(self._next_query)
         answer = self._queries[query_id] = self._loop.create_future()
-        self._commands.put(AbortQuery(query_id, list(request_ids)))
+        self._commands.put(AbortQuery(query_id, list(request_ids), list(completions)))
         try:
             return await answer
         finally:
@@ -259,7 +261,7 @@ class AsyncEngine:
         elif isinstance(message, AbortAnswer):
             answer = self._queries.get(message.query_id)
             if answer is not None and not answer.done():
-                answer.set_result(message.aborted_request_ids)
+                answer.set_result((message.aborted_request_ids, message.aborted_completions))
         elif isinstance(message, KvEventsSnapshot):
             self._kv_subscribers.on_snapshot(message)
 

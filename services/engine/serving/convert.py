@@ -45,6 +45,7 @@ def sampling_from_proto(proto: common_pb2.SamplingParams, num_prompt_tokens: int
         presence_penalty=proto.presence_penalty,
         frequency_penalty=proto.frequency_penalty,
         n=proto.n if proto.HasField("n") else 1,
+        best_of=proto.best_of if proto.HasField("best_of") else None,
         **constraint_fields(proto),
     )
 
@@ -74,6 +75,15 @@ def position_logprobs(token_id: int, position: TokenLogprobs) -> common_pb2.Posi
         sampled=common_pb2.TokenLogprob(token_id=token_id, logprob=position.logprob),
         top=[common_pb2.TokenLogprob(token_id=i, logprob=v)
              for i, v in zip(position.top_token_ids, position.top_logprobs)])
+
+
+def completion_refs_from_proto(refs) -> list[tuple[str, int]]:
+    """AbortRequest.completions as (request id, index) pairs."""
+    return [(ref.request_id, ref.index) for ref in refs]
+
+
+def completion_refs_to_proto(refs: list[tuple[str, int]]) -> list[engine_pb2.CompletionRef]:
+    return [engine_pb2.CompletionRef(request_id=request_id, index=index) for request_id, index in refs]
 
 
 def kv_events_response(batch: KvEventBatch, block_size: int,

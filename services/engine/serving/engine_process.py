@@ -107,7 +107,9 @@ class CoreLoop:
                 self._abort(request_id, front)
         elif isinstance(command, AbortQuery):
             aborted = [request_id for request_id in command.request_ids if self._abort(request_id)]
-            self._send(front, encode(AbortAnswer(command.query_id, aborted)))
+            completions = [(request_id, index) for request_id, index in command.completions
+                           if self._abort(request_id, index=index)]
+            self._send(front, encode(AbortAnswer(command.query_id, aborted, completions)))
         elif isinstance(command, KvEventsSubscribe):
             self._kv_subscriber_ids[front].add(command.subscriber_id)
             self.core.record_kv_events(True)
@@ -125,10 +127,13 @@ class CoreLoop:
             return
         self._routes[command.request_id] = (front, command.handle)
 
-    def _abort(self, request_id: str, only_front: int | None = None) -> bool:
+    def _abort(self, request_id: str, only_front: int | None = None, index: int | None = None) -> bool:
+        """Abort a request (or only its completion `index`) if it runs (and belongs to `only_front`, if given)."""
         route = self._routes.get(request_id)
         if route is None or (only_front is not None and route[0] != only_front):
             return False
+        if index is not None:
+            return self.core.abort_completion(request_id, index)
         return self.core.abort_request(request_id)
 
     def _hang_up(self, front: int) -> None:
@@ -159,14 +164,15 @@ class CoreLoop:
             batch = per_front.get(front)
             if batch is None:
                 batch = per_front[front] = (array("q"), array("q"), array("q"), [])
-            if output.logprobs:
-                step_logprobs = logprobs.get(front)
-                if step_logprobs is None:
-                    step_logprobs = logprobs[front] = StepLogprobs.empty()
-                step_logprobs.append(len(batch[0]), output.logprobs[-1])
-            batch[0].append(handle)
-            batch[1].append(output.new_token_ids[-1] if output.new_token_ids else NO_TOKEN)
-            batch[2].append(output.num_cached_tokens)
+            new_token_ids = output.new_token_ids
+            if len(new_token_ids) > 1:  # a held-back best_of completion, whole (services.engine.core.best_of)
+                _append_tokens(batch, output, handle, logprobs, front)
+            else:
+                if output.logprobs:
+                    _step_logprobs(logprobs, front).append(len(batch[0]), output.logprobs[-1])
+                batch[0].append(handle)
+                batch[1].append(new_token_ids[-1] if new_token_ids else NO_TOKEN)
+                batch[2].append(output.num_cached_tokens)
             if output.request_finished:
                 del routes[output.request_id]
                 self._num_finished_requests += 1
@@ -196,6 +202,26 @@ class CoreLoop:
             self.connections[front].send_bytes(data)
         except OSError:
             self._hang_up(front)
+
+
+def _step_logprobs(logprobs: dict[int, StepLogprobs], front: int) -> StepLogprobs:
+    step_logprobs = logprobs.get(front)
+    if step_logprobs is None:
+        step_logprobs = logprobs[front] = StepLogprobs.empty()
+    return step_logprobs
+
+
+def _append_tokens(batch: tuple, output: RequestOutput, handle: int, logprobs: dict[int, StepLogprobs],
+                   front: int) -> None:
+    """One entry per token of an output that carries several (and their logprobs, when it has them)."""
+    if output.logprobs:
+        step_logprobs = _step_logprobs(logprobs, front)
+        for position, token_logprobs in enumerate(output.logprobs, start=len(batch[0])):
+            step_logprobs.append(position, token_logprobs)
+    num_tokens = len(output.new_token_ids)
+    batch[0].extend([handle] * num_tokens)
+    batch[1].extend(output.new_token_ids)
+    batch[2].extend([output.num_cached_tokens] * num_tokens)
 
 
 def run_engine_core(connections: list, engine_kwargs: dict, log_level: str = "INFO", log_format: str = "text") -> None:

@@ -22,7 +22,7 @@ are three arrays (handle, token id, cached prompt tokens), plus one tuple per fi
 
 import pickle
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.engine.core.interfaces import EngineStats, TokenLogprobs
 from services.engine.core.sampling_params import SamplingParams
@@ -53,10 +53,12 @@ class AbortRequests:
 
 @dataclass(slots=True)
 class AbortQuery:
-    """The Abort RPC: abort these ids and answer which of them were live (any front's requests)."""
+    """The Abort RPC: abort these ids, then these (request id, index) completions, and answer which of them were
+    live (any front's requests)."""
 
     query_id: int
     request_ids: list[str]
+    completions: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -146,10 +148,11 @@ class AddRejected:
 
 @dataclass(slots=True)
 class AbortAnswer:
-    """The ids of an AbortQuery that were live and are now aborted."""
+    """The ids and completions of an AbortQuery that were live and are now aborted."""
 
     query_id: int
     aborted_request_ids: list[str]
+    aborted_completions: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

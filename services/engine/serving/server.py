@@ -14,7 +14,8 @@ from services.common.metrics import RequestObserver
 from services.common.validation import check_request_id, loggable_request_id
 from services.engine.serving.async_engine import AsyncEngine
 from services.engine.serving.convert import (
-    RequestClock, kv_events_response, load_report, response_from_output, sampling_from_proto)
+    RequestClock, completion_refs_from_proto, completion_refs_to_proto, kv_events_response, load_report,
+    response_from_output, sampling_from_proto)
 from services.engine.core.request_validator import RequestValidator
 from services.engine.core.sampling_params import SamplingParams
 
@@ -72,8 +73,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     yield response_from_output(output, clock)
 
     async def Abort(self, request: engine_pb2.AbortRequest, context) -> engine_pb2.AbortResponse:
-        aborted = await self.engine.abort_any(list(request.request_ids))
-        return engine_pb2.AbortResponse(aborted_request_ids=aborted)
+        aborted, completions = await self.engine.abort_any(list(request.request_ids),
+                                                           completion_refs_from_proto(request.completions))
+        return engine_pb2.AbortResponse(aborted_request_ids=aborted,
+                                        aborted_completions=completion_refs_to_proto(completions))
 
     async def GetEngineInfo(self, request, context) -> engine_pb2.GetEngineInfoResponse:
         return self.info
