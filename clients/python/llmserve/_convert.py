@@ -40,6 +40,7 @@ SAMPLING_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
     "n",
+    "best_of",
 )
 # Structured output: at most one (a oneof in SamplingParams); json_schema may also be given as a dict.
 CONSTRAINT_FIELDS = ("json_schema", "regex", "grammar", "json_object")
@@ -61,6 +62,7 @@ class GenerateOptions(TypedDict, total=False):
     presence_penalty: float | None
     frequency_penalty: float | None
     n: int | None
+    best_of: int | None
     json_schema: str | Mapping[str, Any] | None
     regex: str | None
     grammar: str | None

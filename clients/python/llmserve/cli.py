@@ -42,6 +42,8 @@ def _add_generate(subparsers: Any) -> None:
                         help="also report each token's log-probability and its N most likely alternatives (0-20); "
                              "printed on stderr after the text, or in --json")
     parser.add_argument("--n", type=int, help="number of completions (1-16), printed one after another")
+    parser.add_argument("--best-of", type=int, metavar="K",
+                        help="generate K completions (n-16) and keep the n most likely (whole, not streamed)")
     parser.add_argument("--repetition-penalty", type=float, help="> 0; 1 = off (transformers' definition)")
     parser.add_argument("--presence-penalty", type=float, help="[-2, 2]; 0 = off (OpenAI's definition)")
     parser.add_argument("--frequency-penalty", type=float, help="[-2, 2]; 0 = off (OpenAI's definition)")
@@ -92,6 +94,7 @@ def _generate(client: LLMServeClient, args: argparse.Namespace) -> int:
         "min_tokens": args.min_tokens,
         "num_logprobs": args.logprobs,
         "n": args.n,
+        "best_of": args.best_of,
         "repetition_penalty": args.repetition_penalty,
         "presence_penalty": args.presence_penalty,
         "frequency_penalty": args.frequency_penalty,
