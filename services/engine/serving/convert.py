@@ -45,6 +45,7 @@ def sampling_from_proto(proto: common_pb2.SamplingParams, num_prompt_tokens: int
         presence_penalty=proto.presence_penalty,
         frequency_penalty=proto.frequency_penalty,
         n=proto.n if proto.HasField("n") else 1,
+        num_prompt_logprobs=proto.num_prompt_logprobs if proto.HasField("num_prompt_logprobs") else None,
         **constraint_fields(proto),
     )
 
