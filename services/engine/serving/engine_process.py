@@ -149,6 +149,7 @@ class CoreLoop:
     def _publish(self, outputs: list[RequestOutput]) -> None:
         per_front: dict[int, tuple[array, array, array, list]] = {}
         logprobs: dict[int, StepLogprobs] = {}
+        prompt_logprobs: dict[int, dict] = {}  # front -> handle -> PromptLogprobs
         routes = self._routes
         for output in outputs:
             route = routes.get(output.request_id)
@@ -164,6 +165,8 @@ class CoreLoop:
                 if step_logprobs is None:
                     step_logprobs = logprobs[front] = StepLogprobs.empty()
                 step_logprobs.append(len(batch[0]), output.logprobs[-1])
+            if output.prompt_logprobs is not None:
+                prompt_logprobs.setdefault(front, {})[handle] = output.prompt_logprobs
             batch[0].append(handle)
             batch[1].append(output.new_token_ids[-1] if output.new_token_ids else NO_TOKEN)
             batch[2].append(output.num_cached_tokens)
@@ -189,7 +192,7 @@ class CoreLoop:
                 batch = (array("q"), array("q"), array("q"), [])
             self._last_stats_sent[front] = now
             self._send(front, encode(StepOutputs(*batch, stats, self._num_finished_requests, front_kv_events,
-                                                 logprobs.get(front))))
+                                                 logprobs.get(front), prompt_logprobs.get(front))))
 
     def _send(self, front: int, data: bytes) -> None:
         try:
