@@ -167,9 +167,8 @@ class EngineStream:
         return self._logprobs.pop(self._taken_index, [])
 
     def take_prompt_logprobs(self) -> list:
-        """The prompt's PositionLogprobs when the last take() returned completion 0 and they had arrived (once)."""
-        if self._taken_index != 0 or not self._prompt_logprobs:
-            return []
+        """The prompt's PositionLogprobs, once: with the take() that returned completion 0's first message (they
+        arrive on it, and take() serves the lowest index first); empty on every other take."""
         prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, []
         return prompt_logprobs
 
