@@ -50,11 +50,19 @@ def resolve_device(name: str, rank: int = 0, tp_size: int = 1) -> torch.device:
     return device
 
 
+def cpu_has_fast_bf16() -> bool:
+    """AMX or AVX512-BF16: the CPUs whose bf16 matmuls beat fp32 (on AMX 2.6-6x at batch 32-256). Elsewhere
+    (AVX2 only) torch emulates bf16 and loses 2-10x at batch >= 8, so auto stays fp32 there."""
+    capabilities = torch.cpu.get_capabilities()
+    return bool(capabilities.get("amx_bf16") or capabilities.get("avx512_bf16"))
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto": fp32 on CPU, bf16 on CUDA (fp16 where bf16 is unsupported)."""
+    """"auto": bf16 on CUDA (fp16 where bf16 is unsupported); on CPU bf16 where `cpu_has_fast_bf16`, else
+    fp32. Norms, softmax, log-probabilities and sampling compute in fp32 whatever the weights' dtype."""
     if name == "auto":
         if device.type != "cuda":
-            return torch.float32
+            return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(_DTYPES)}")
