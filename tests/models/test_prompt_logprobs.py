@@ -18,7 +18,7 @@ def tiny(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-prompt-logprobs")
     kind, overrides = CASES["llama"]
     hf_model = build_checkpoint(kind, overrides, directory)
-    return LLM(str(directory), num_kvcache_blocks=64, kvcache_block_size=BLOCK_SIZE), hf_model
+    return LLM(str(directory), num_kvcache_blocks=64, kvcache_block_size=BLOCK_SIZE, dtype="float32"), hf_model
 
 
 def _reference(hf_model, prompt: list[int]) -> torch.Tensor:
