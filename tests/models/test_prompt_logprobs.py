@@ -105,3 +105,13 @@ def test_out_of_range_is_invalid_naming_the_field(tiny):
     with pytest.raises(InvalidRequestError) as caught:
         llm.generate([PROMPTS[1]], _params(21), use_tqdm=False)
     assert caught.value.field == "sampling.num_prompt_logprobs"
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_n_completions_carry_the_prompts_entries_once_on_completion_0(tiny, enable_prefix_caching):
+    llm, hf_model = tiny
+    engine = llm.with_scheduler(enable_prefix_caching=enable_prefix_caching)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=3, ignore_eos=True, n=3, num_prompt_logprobs=1)
+    [result] = engine.generate([PROMPTS[1]], params, use_tqdm=False)
+    _assert_match(hf_model, PROMPTS[1], result["prompt_logprobs"], 1)
+    assert [c["prompt_logprobs"] is None for c in result["outputs"]] == [False, True, True]
