@@ -1,6 +1,7 @@
 """Batch-1 decode speed: one prompt, N new tokens, greedy; llmserve against transformers in one run.
 
     python bench/decode_latency.py --prompt-len 128 --new-tokens 128
+    python bench/decode_latency.py --dtypes float32,bfloat16      # each dtype of ours, one transformers baseline
 Time per output token excludes the prefill (measured as the time to the first token and subtracted).
 """
 
@@ -52,17 +53,26 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtypes", default=None,
+                        help="comma-separated dtypes to measure llmserve with, one after the other (default: --dtype)")
     add_engine_args(parser)
     args = parser.parse_args()
     engine_args = engine_args_from(args)
-    llm = LLM(**{name: getattr(engine_args, name) for name in engine_args.field_names()})
+    kwargs = {name: getattr(engine_args, name) for name in engine_args.field_names()}
     prompt = [(7 * i + 11) % 5000 + 10 for i in range(args.prompt_len)]
-    model, _ = load_hf_model(args.model, str(llm.runner.device))
-    ours = min(ours_decode_ms(llm, prompt, args.new_tokens) for _ in range(args.repeats))
+    rows = []
+    for dtype in (args.dtypes.split(",") if args.dtypes else [kwargs["dtype"]]):
+        llm = LLM(**(kwargs | {"dtype": dtype}))
+        ours = min(ours_decode_ms(llm, prompt, args.new_tokens) for _ in range(args.repeats))
+        rows.append((f"llmserve {dtype} ({llm.runner.dtype})", ours))
+        device = str(llm.runner.device)
+        del llm
+    model, _ = load_hf_model(args.model, device)
     theirs = min(hf_decode_ms(model, prompt, args.new_tokens) for _ in range(args.repeats))
-    print(f"llmserve batch-1 decode: {ours:.2f} ms/token ({1e3 / ours:.1f} tok/s)")
-    print(f"transformers batch-1 decode: {theirs:.2f} ms/token ({1e3 / theirs:.1f} tok/s)")
-    print(f"ratio llmserve/transformers speed: {theirs / ours:.2f}x")
+    for name, ms in rows:
+        print(f"{name} batch-1 decode: {ms:.2f} ms/token ({1e3 / ms:.1f} tok/s), "
+              f"{theirs / ms:.2f}x transformers' speed")
+    print(f"transformers fp32 batch-1 decode: {theirs:.2f} ms/token ({1e3 / theirs:.1f} tok/s)")
 
 
 if __name__ == "__main__":

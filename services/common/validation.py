@@ -93,11 +93,13 @@ def check_wire_sampling(*, top_k: int | None) -> None:
 
 
 def check_extras(*, num_logprobs: int | None, repetition_penalty: float, presence_penalty: float,
-                 frequency_penalty: float) -> None:
-    """Log-probabilities and penalties. num_logprobs: None or [0, MAX_LOGPROBS]. repetition_penalty: finite, > 0
-    (1 disables it). presence_penalty and frequency_penalty: [-2, 2] (0 disables them). NaN fails every range."""
-    if num_logprobs is not None and not 0 <= num_logprobs <= MAX_LOGPROBS:
-        raise InvalidRequestError("sampling.num_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {num_logprobs}")
+                 frequency_penalty: float, num_prompt_logprobs: int | None = None) -> None:
+    """Log-probabilities and penalties. num_logprobs and num_prompt_logprobs: None or [0, MAX_LOGPROBS].
+    repetition_penalty: finite, > 0 (1 disables it). presence_penalty and frequency_penalty: [-2, 2] (0 disables
+    them). NaN fails every range."""
+    for name, value in (("num_logprobs", num_logprobs), ("num_prompt_logprobs", num_prompt_logprobs)):
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"sampling.{name}", f"must be in [0, {MAX_LOGPROBS}], got {value}")
     if not (math.isfinite(repetition_penalty) and repetition_penalty > 0.0):
         raise InvalidRequestError("sampling.repetition_penalty",
                                   f"must be a finite number > 0, got {repetition_penalty}")

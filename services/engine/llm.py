@@ -105,8 +105,10 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:
-        """Generate for each prompt; returns dicts {text, token_ids, finish_reason, num_cached_tokens, logprobs}
-        in order (`logprobs`: one TokenLogprobs per token when the request asked, else None). With
+        """Generate for each prompt; returns dicts {text, token_ids, finish_reason, num_cached_tokens, logprobs,
+        prompt_logprobs} in order (`logprobs`: one TokenLogprobs per token when the request asked, else None;
+        `prompt_logprobs`: None first (nothing predicts the first prompt token), then one TokenLogprobs per
+        prompt token when the request asked (sampling.num_prompt_logprobs), else None). With
         sampling n > 1 the dict is completion 0's plus "outputs": all n completions' dicts, by index.
 
         `prompts`: a str, a list of str, or a list of token-id lists. Without `sampling_params` each request
@@ -119,6 +121,7 @@ class LLM:
         keys = [(rid, index) for rid, p in zip(request_ids, params) for index in range(p.n)]
         token_ids: dict[tuple[str, int], list[int]] = {key: [] for key in keys}
         logprobs: dict[tuple[str, int], list] = {key: [] for key in keys}
+        prompt_logprobs: dict[str, list] = {}
         finals = {}
         try:
             with tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm) as progress:
@@ -128,6 +131,8 @@ class LLM:
                         token_ids[key].extend(output.new_token_ids)
                         if output.logprobs:
                             logprobs[key].extend(output.logprobs)
+                        if output.prompt_logprobs is not None:
+                            prompt_logprobs[output.request_id] = [None, *output.prompt_logprobs.positions()]
                         if output.finished:
                             finals[key] = output
                         if output.request_finished:
@@ -139,6 +144,8 @@ class LLM:
         for rid, p in zip(request_ids, params):
             completions = [self._result(token_ids[rid, i], finals[rid, i],
                                         logprobs[rid, i] if p.num_logprobs is not None else None) for i in range(p.n)]
+            for completion in completions:  # the prompt's: completion 0 carries them
+                completion["prompt_logprobs"] = prompt_logprobs.get(rid) if completion is completions[0] else None
             results.append(completions[0] if p.n == 1 else completions[0] | {"outputs": completions})
         return results
 

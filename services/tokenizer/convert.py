@@ -89,7 +89,9 @@ def resolve_sampling(proto: common_pb2.SamplingParams, defaults: dict, num_promp
                    best_of=resolved.best_of if resolved.HasField("best_of") else None)
     check_extras(num_logprobs=resolved.num_logprobs if resolved.HasField("num_logprobs") else None,
                  repetition_penalty=resolved.repetition_penalty if resolved.HasField("repetition_penalty") else 1.0,
-                 presence_penalty=resolved.presence_penalty, frequency_penalty=resolved.frequency_penalty)
+                 presence_penalty=resolved.presence_penalty, frequency_penalty=resolved.frequency_penalty,
+                 num_prompt_logprobs=(resolved.num_prompt_logprobs if resolved.HasField("num_prompt_logprobs")
+                                      else None))
     check_fits(num_prompt_tokens, resolved.max_tokens, max_model_len)
     check_token_ids(STOP_TOKEN_IDS, list(resolved.stop_token_ids), vocab_size)
     # The constraint passes through as it is; the engine compiles it (and rejects what does not compile).

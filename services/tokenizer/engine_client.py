@@ -130,6 +130,7 @@ class EngineStream:
         self._ids: dict[int, list[int]] = {}
         self._logprobs: dict[int, list] = {}
         self._last: dict[int, engine_pb2.GenerateResponse] = {}
+        self._prompt_logprobs: list = []  # PositionLogprobs of the prompt, on completion 0's first message
         self._taken_index = 0
         self._ended = False
         self._error: BaseException | None = None
@@ -143,6 +144,8 @@ class EngineStream:
                 self._ids.setdefault(index, []).extend(response.token_ids)
                 if response.logprobs:
                     self._logprobs.setdefault(index, []).extend(response.logprobs)
+                if response.prompt_logprobs:
+                    self._prompt_logprobs = list(response.prompt_logprobs)
                 self._last[index] = response
                 if self._waiter is not None:
                     self._wake()
@@ -176,6 +179,12 @@ class EngineStream:
     def take_logprobs(self) -> list:
         """The PositionLogprobs of the ids the last take() returned (empty when the request asked for none)."""
         return self._logprobs.pop(self._taken_index, [])
+
+    def take_prompt_logprobs(self) -> list:
+        """The prompt's PositionLogprobs, once: with the take() that returned completion 0's first message (they
+        arrive on it, and take() serves the lowest index first); empty on every other take."""
+        prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, []
+        return prompt_logprobs
 
     def cancel(self) -> None:
         """Cancel the engine call (the engine aborts the request) and stop reading."""

@@ -129,6 +129,7 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
                 raise UnavailableError("the engine stream ended without a finish reason")
             index = engine_response.index
             logprobs = stream.take_logprobs()
+            prompt_logprobs = stream.take_prompt_logprobs()
             if index not in unfinished:
                 continue
             if ids:
@@ -141,6 +142,9 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
                                                     usage=engine_response.usage, index=index)
             if logprobs:
                 response.logprobs.extend(client_logprobs(self.tokenizer, logprobs, len(ids)))
+            if prompt_logprobs:  # once; up to 21 texts per prompt token: decoded off the event loop
+                response.prompt_logprobs.extend(await asyncio.to_thread(
+                    client_logprobs, self.tokenizer, prompt_logprobs, len(prompt_logprobs)))
             if matched is not None:
                 response.usage.completion_tokens = num_ids[index]  # the ids past the match are not the client's
                 response.finish_reason = common_pb2.FINISH_REASON_STOP
@@ -238,8 +242,14 @@ def _push(text_stream: TextStream, ids: list[int], has_stops: bool) -> tuple[lis
 def client_logprobs(tokenizer: TextTokenizer, logprobs: list, num_ids: int) -> list:
     """The engine's PositionLogprobs of the first `num_ids` ids (those the client gets: a stop-string match cuts
     the batch), with each token's text filled in (one batched decode)."""
-    positions = [common_pb2.PositionLogprobs(sampled=p.sampled, top=p.top) for p in logprobs[:num_ids]]
-    entries = [entry for p in positions for entry in (p.sampled, *p.top)]
+    positions = [common_pb2.PositionLogprobs() for _ in logprobs[:num_ids]]
+    for position, engine_position in zip(positions, logprobs):
+        position.CopyFrom(engine_position)  # keeps an unset `sampled` unset (the first prompt token's)
+    entries = []
+    for position in positions:
+        if position.HasField("sampled"):
+            entries.append(position.sampled)
+        entries.extend(position.top)
     for entry, text in zip(entries, tokenizer.token_texts([entry.token_id for entry in entries])):
         entry.text = text
     return positions

@@ -81,6 +81,15 @@ def fake_logprobs(token_id: int, text: str, num_top: int) -> common_pb2.Position
     return common_pb2.PositionLogprobs(sampled=sampled, top=top)
 
 
+def fake_prompt_logprobs(request: textgen_pb2.GenerateRequest) -> list[common_pb2.PositionLogprobs]:
+    """One entry per prompt word: the first empty, then word j as token 200+j at -1.5 (fake_logprobs' top)."""
+    words = prompt_words(request)
+    return [common_pb2.PositionLogprobs()] + [
+        common_pb2.PositionLogprobs(sampled=common_pb2.TokenLogprob(token_id=200 + j, logprob=-1.5, text=word),
+                                    top=fake_logprobs(200 + j, word, request.sampling.num_prompt_logprobs).top)
+        for j, word in enumerate(words[1:], start=1)]
+
+
 def _n_completions(request_id: str, reply: FakeReply, n: int):
     """Completion i is the reply with "#i" after each word; each position's messages come last index first."""
     for position, piece in enumerate(reply.pieces):
@@ -146,6 +155,8 @@ class FakeTextGeneration(textgen_pb2_grpc.TextGenerationServiceServicer):
             response.usage.completion_tokens = index + 1
             if request.sampling.HasField("num_logprobs"):
                 response.logprobs.append(fake_logprobs(reply.token_ids[index], piece, request.sampling.num_logprobs))
+            if index == 0 and request.sampling.HasField("num_prompt_logprobs"):
+                response.prompt_logprobs.extend(fake_prompt_logprobs(request))
             if last:
                 response.finish_reason = reply.finish_reason
                 if reply.matched_stop_token_id is not None:

@@ -179,3 +179,18 @@ def test_generate_n_json_lists_the_completions(fake_server):
     assert proc.returncode == 0, proc.stderr
     completions = json.loads(proc.stdout)["completions"]
     assert [(c["index"], c["text"]) for c in completions] == [(0, "b#0 a#0 "), (1, "b#1 a#1 ")]
+
+
+def test_prompt_logprobs_flag_reaches_the_request_and_prints_before_the_completions(fake_server):
+    proc = run_cli("generate", "a b c", "--prompt-logprobs", "2", "--logprobs", "0", "--target", fake_server.target)
+    assert proc.returncode == 0, proc.stderr
+    assert fake_server.servicer.requests[-1].sampling.num_prompt_logprobs == 2
+    lines = proc.stderr.splitlines()
+    assert lines[0] == "prompt:" and lines[1].split() == ["-", "(no", "context)"]  # "a": nothing predicts it
+    assert lines[2].split()[:2] == ["-1.5000", "'b'"] and "'t1' -1.500" in lines[2]
+    assert lines[4] == "completion:" and len(lines) == 5 + 4  # "c", "b", "a", EOS
+    proc = run_cli("generate", "a b c", "--prompt-logprobs", "0", "--json", "--target", fake_server.target)
+    prompt_logprobs = json.loads(proc.stdout)["prompt_logprobs"]
+    assert prompt_logprobs[0] == {"sampled": None, "top": []}
+    assert prompt_logprobs[2] == {"sampled": {"token_id": 202, "text": "c", "logprob": -1.5}, "top": []}
+    assert "logprobs" not in json.loads(proc.stdout)

@@ -97,6 +97,16 @@ def test_logprobs_come_back_with_each_tokens_text(client, fake_server):
     assert result.to_dict()["logprobs"][0]["top"] == [{"token_id": 100, "text": "t0", "logprob": -0.5}]
 
 
+def test_prompt_logprobs_come_back_once_with_each_tokens_text(client, fake_server):
+    result = client.complete("a b c", num_prompt_logprobs=1)
+    assert fake_server.servicer.requests[-1].sampling.num_prompt_logprobs == 1
+    assert [p.sampled for p in result.prompt_logprobs[:1]] == [None]  # nothing predicts the first token
+    assert [(p.sampled.token_id, p.sampled.text) for p in result.prompt_logprobs[1:]] == [(201, "b"), (202, "c")]
+    assert [(t.token_id, t.text) for t in result.prompt_logprobs[1].top] == [(201, "t0")]
+    assert result.logprobs == [] and "logprobs" not in result.to_dict()
+    assert result.to_dict()["prompt_logprobs"][0] == {"sampled": None, "top": []}
+
+
 def test_max_tokens_ends_with_length(client):
     result = client.complete("a b c d", max_tokens=2)
     assert result.finish_reason == FinishReason.LENGTH

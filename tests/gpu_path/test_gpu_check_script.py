@@ -24,7 +24,7 @@ def test_random_checkpoint_gives_the_same_logits_in_transformers_and_ours(tiny_c
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32, local_files_only=True).eval()
-    ours = LLM(tiny_checkpoint, device="cpu", num_kvcache_blocks=16)
+    ours = LLM(tiny_checkpoint, device="cpu", dtype="float32", num_kvcache_blocks=16)
     ids = [5, 900, 17, 33, 402, 8, 1000]
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0]
@@ -38,7 +38,7 @@ def test_building_twice_reuses_the_checkpoint(tiny_checkpoint, capsys):
 
 
 def test_divergence_is_reported_with_its_gap(tiny_checkpoint):
-    reference = LLM(tiny_checkpoint, device="cpu", num_kvcache_blocks=16)
+    reference = LLM(tiny_checkpoint, device="cpu", dtype="float32", num_kvcache_blocks=16)
     prompt = [7, 8, 9, 10]
     logits = reference.runner.score(prompt)[-1]
     best, worst = int(logits.argmax()), int(logits.argmin())

@@ -38,14 +38,28 @@ def test_utilization_out_of_range_is_refused():
             compute_num_kvcache_blocks(1000, gpu=_snapshot(), gpu_memory_utilization=bad)
 
 
-def test_auto_dtype_is_bf16_on_cuda_fp16_without_bf16_and_fp32_on_cpu(monkeypatch):
+def test_auto_dtype_is_bf16_on_cuda_and_fp16_without_bf16(monkeypatch):
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     assert resolve_dtype("auto", cuda) == torch.bfloat16
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     assert resolve_dtype("auto", cuda) == torch.float16
-    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+
+
+_NO_BF16 = {"avx2": True, "avx512_f": True, "avx512_bf16": False, "amx_bf16": False, "amx_tile": False}
+
+
+@pytest.mark.parametrize("capabilities, expected", [
+    (_NO_BF16, torch.float32),
+    (_NO_BF16 | {"avx512_bf16": True}, torch.bfloat16),
+    (_NO_BF16 | {"amx_bf16": True, "amx_tile": True}, torch.bfloat16),
+    (_NO_BF16 | {"amx_tile": True}, torch.float32),  # AMX without its bf16 unit (int8 only)
+])
+def test_auto_dtype_on_cpu_follows_the_cpus_bf16_units(monkeypatch, capabilities, expected):
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: dict(capabilities))
+    assert resolve_dtype("auto", torch.device("cpu")) == expected
+    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32  # an explicit dtype always wins
 
 
 def test_tensor_parallel_ranks_get_their_own_gpu(monkeypatch):

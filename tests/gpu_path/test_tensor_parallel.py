@@ -20,7 +20,7 @@ TP_CASES = {
     "qwen3-qk-norm": CASES["qwen3"],
 }
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
-ENGINE = dict(num_kvcache_blocks=64, kvcache_block_size=16, device="cpu", enable_prefix_caching=False)
+ENGINE = dict(num_kvcache_blocks=64, kvcache_block_size=16, device="cpu", dtype="float32", enable_prefix_caching=False)
 
 
 @pytest.fixture(scope="module", params=list(TP_CASES))

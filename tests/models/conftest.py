@@ -38,10 +38,11 @@ CHAT_MESSAGES = [{"role": "user", "content": "Write a haiku about the sea."}]
 
 @pytest.fixture(scope="session")
 def default_llm(default_model_path):
-    """The default model in our engine, loaded once (fp32 on CPU, 256 KV blocks of 16 tokens)."""
+    """The default model in our engine, loaded once: fp32 whatever the CPU (the equality suite compares it with
+    transformers' fp32), 256 KV blocks of 16 tokens."""
     from services.engine import LLM
 
-    return LLM(num_kvcache_blocks=256, kvcache_block_size=16)
+    return LLM(num_kvcache_blocks=256, kvcache_block_size=16, dtype="float32")
 
 
 @pytest.fixture(scope="session")

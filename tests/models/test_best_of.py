@@ -51,3 +51,13 @@ def test_best_of_with_n_1_returns_the_single_best_with_the_logprobs_asked_for(ti
     assert [p.logprob for p in result["logprobs"]] == pytest.approx([p.logprob for p in expected["logprobs"]],
                                                                     abs=1e-4)
     assert all(len(p.top_token_ids) == 1 for p in result["logprobs"])
+
+
+def test_best_of_still_returns_the_prompt_logprobs_once(tiny):
+    llm = tiny.with_scheduler(enable_prefix_caching=True)
+    result = llm.generate([PROMPT], _sampling(seed=SEED, n=2, best_of=3, num_prompt_logprobs=1), use_tqdm=False)[0]
+    [single] = llm.generate([PROMPT], _sampling(seed=SEED, num_prompt_logprobs=1), use_tqdm=False)
+    assert len(result["prompt_logprobs"]) == len(PROMPT)
+    assert [p.logprob for p in result["prompt_logprobs"][1:]] == pytest.approx(
+        [p.logprob for p in single["prompt_logprobs"][1:]], abs=1e-4)
+    assert result["outputs"][1]["prompt_logprobs"] is None

@@ -18,7 +18,7 @@ def tiny(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-features")
     kind, overrides = CASES["llama"]
     hf_model = build_checkpoint(kind, overrides, directory)
-    return LLM(str(directory), num_kvcache_blocks=64, kvcache_block_size=16), hf_model
+    return LLM(str(directory), num_kvcache_blocks=64, kvcache_block_size=16, dtype="float32"), hf_model
 
 
 def _hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
@@ -96,7 +96,7 @@ def test_offline_defaults_come_from_the_generation_config_and_requests_win(tmp_p
     build_checkpoint(kind, overrides, tmp_path)
     config_path = tmp_path / "generation_config.json"
     config_path.write_text(json.dumps(json.loads(config_path.read_text()) | {"temperature": 0.0, "top_k": 7}))
-    llm = LLM(str(tmp_path), num_kvcache_blocks=16)
+    llm = LLM(str(tmp_path), num_kvcache_blocks=16, dtype="float32")
     defaults = llm.default_sampling_params()
     assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.0, 7, 1.0)
     [by_default] = llm.generate([PROMPTS[2]], use_tqdm=False)

@@ -15,7 +15,7 @@ def tiny_llama(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-llama-api")
     kind, overrides = CASES["llama"]
     hf_model = build_checkpoint(kind, overrides, directory)
-    return LLM(str(directory), num_kvcache_blocks=32, max_model_len=128), hf_model
+    return LLM(str(directory), num_kvcache_blocks=32, max_model_len=128, dtype="float32"), hf_model
 
 
 def _assert_idle(llm: LLM) -> None:

@@ -54,7 +54,7 @@ def tiny(request, tmp_path_factory):
     generator = torch.Generator().manual_seed(len(request.param))
     prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in PROMPT_LENS]
     references = [hf_greedy(hf_model, p) for p in prompts]
-    llm = LLM(str(directory), num_kvcache_blocks=64, kvcache_block_size=16)
+    llm = LLM(str(directory), num_kvcache_blocks=64, kvcache_block_size=16, dtype="float32")
     return llm, prompts, references
 
 

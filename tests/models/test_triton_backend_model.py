@@ -21,7 +21,7 @@ kind, overrides = CASES["llama-3kv-heads-dim24"]
 hf_model = build_checkpoint(kind, overrides, sys.argv[1])
 prompts = [[(7 * i + n) % 500 + 3 for i in range(n)] for n in (5, 23, 40)]
 references = [hf_greedy(hf_model, p) for p in prompts]
-llm = LLM(sys.argv[1], num_kvcache_blocks=64, attention_backend="triton", device="cpu")
+llm = LLM(sys.argv[1], num_kvcache_blocks=64, attention_backend="triton", device="cpu", dtype="float32")
 assert llm.runner.attention_backend.name == "triton"
 greedy = SamplingParams(temperature=0.0, max_tokens=32)
 for engine in (llm, llm.with_scheduler(max_num_batched_tokens=13)):

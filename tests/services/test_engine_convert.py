@@ -7,7 +7,7 @@ import pytest
 from llmserve.common.v1 import common_pb2
 from services.common.convert import RequestClock
 from services.common.errors import InvalidRequestError
-from services.engine.core.interfaces import RequestOutput
+from services.engine.core.interfaces import PromptLogprobs, RequestOutput
 from services.engine.core.sequence import FinishReason
 from services.engine.serving.convert import response_from_output, sampling_from_proto
 
@@ -29,13 +29,16 @@ def test_unset_fields_are_neutral_and_max_tokens_fills_the_context():
 def test_set_fields_are_kept():
     proto = common_pb2.SamplingParams(temperature=0.5, top_k=4, top_p=0.75, min_p=0.125, seed=9, max_tokens=7,
                                       min_tokens=2, ignore_eos=True, stop_token_ids=[5, 6], num_logprobs=0,
-                                      repetition_penalty=1.25, presence_penalty=-0.5, frequency_penalty=0.75)
+                                      repetition_penalty=1.25, presence_penalty=-0.5, frequency_penalty=0.75,
+                                      num_prompt_logprobs=3)
     sampling = sampling_from_proto(proto, 10, MAX_MODEL_LEN)
     assert (sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p) == (0.5, 4, 0.75, 0.125)
     assert (sampling.seed, sampling.max_tokens, sampling.min_tokens, sampling.ignore_eos) == (9, 7, 2, True)
     assert sampling.stop_token_ids == [5, 6]
     assert (sampling.num_logprobs, sampling.repetition_penalty, sampling.presence_penalty,
             sampling.frequency_penalty) == (0, 1.25, -0.5, 0.75)
+    assert sampling.num_prompt_logprobs == 3
+    assert sampling_from_proto(common_pb2.SamplingParams(), 10, MAX_MODEL_LEN).num_prompt_logprobs is None
 
 
 @pytest.mark.parametrize("fields, field", [
@@ -47,6 +50,7 @@ def test_set_fields_are_kept():
     (dict(max_tokens=0), "sampling.max_tokens"),
     (dict(max_tokens=3, min_tokens=4), "sampling.min_tokens"),
     (dict(num_logprobs=21), "sampling.num_logprobs"),
+    (dict(num_prompt_logprobs=21), "sampling.num_prompt_logprobs"),
     (dict(repetition_penalty=-1.0), "sampling.repetition_penalty"),
     (dict(presence_penalty=2.5), "sampling.presence_penalty"),
     (dict(frequency_penalty=math.nan), "sampling.frequency_penalty"),
@@ -80,3 +84,13 @@ def test_logprobs_go_out_one_entry_per_token():
     assert [(t.token_id, t.logprob) for t in response.logprobs[0].top] == [(7, -0.5), (3, -1.5)]
     assert not response.logprobs[1].top
     assert not response_from_output(output(None, [7]), RequestClock()).logprobs
+
+
+def test_prompt_logprobs_go_out_one_entry_per_prompt_token_the_first_empty():
+    prompt = PromptLogprobs(2, [8, 9], [-1.0, -3.0], [8, 4, 5, 9], [-1.0, -2.0, -0.5, -1.5])  # tokens 1, 2 of 3
+    response = response_from_output(RequestOutput("r", [7], None, 3, 1, 0, prompt_logprobs=prompt), RequestClock())
+    first, *rest = response.prompt_logprobs
+    assert not first.HasField("sampled") and not first.top
+    assert [(p.sampled.token_id, p.sampled.logprob) for p in rest] == [(8, -1.0), (9, -3.0)]
+    assert [[(t.token_id, t.logprob) for t in p.top] for p in rest] == [[(8, -1.0), (4, -2.0)], [(5, -0.5), (9, -1.5)]]
+    assert not response_from_output(output(None, [7]), RequestClock()).prompt_logprobs

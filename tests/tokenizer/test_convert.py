@@ -91,6 +91,7 @@ def rejection(request: textgen_pb2.GenerateRequest) -> tuple[str, str]:
     (dict(min_tokens=5, max_tokens=4), "sampling.min_tokens", "max_tokens=4"),
     (dict(stop_token_ids=[5, VOCAB_SIZE]), "sampling.stop_token_ids", f"token id {VOCAB_SIZE} "),
     (dict(num_logprobs=21), "sampling.num_logprobs", "[0, 20]"),
+    (dict(num_prompt_logprobs=21), "sampling.num_prompt_logprobs", "[0, 20]"),
     (dict(repetition_penalty=0.0), "sampling.repetition_penalty", "> 0"),
     (dict(presence_penalty=2.5), "sampling.presence_penalty", "[-2, 2]"),
     (dict(frequency_penalty=-3.0), "sampling.frequency_penalty", "[-2, 2]"),
@@ -160,8 +161,8 @@ def test_a_repetition_penalty_default_applies_unless_the_request_sets_one():
 
 
 def test_logprobs_and_penalties_pass_through():
-    sampling = resolve(generate_request(num_logprobs=20, frequency_penalty=-2.0)).sampling
-    assert (sampling.num_logprobs, sampling.frequency_penalty) == (20, -2.0)
+    sampling = resolve(generate_request(num_logprobs=20, frequency_penalty=-2.0, num_prompt_logprobs=0)).sampling
+    assert (sampling.num_logprobs, sampling.frequency_penalty, sampling.num_prompt_logprobs) == (20, -2.0, 0)
 
 
 def test_without_model_defaults_unset_fields_are_neutral():

@@ -101,3 +101,36 @@ def test_logprobs_are_cut_with_the_ids_and_carry_each_tokens_text(text_tokenizer
     assert [p.sampled.text for p in kept] == [tok.decode([i], skip_special_tokens=False) for i in ids[:-1]]
     assert all(p.top[0].text == tok.decode([ids[0]]) for p in kept)
     assert not engine_logprobs[0].sampled.text  # the engine's messages are left as they were
+
+
+def test_prompt_logprobs_keep_the_first_entry_empty_and_carry_each_tokens_text(text_tokenizer):
+    tok = text_tokenizer
+    ids = tok.encode("Hello world", add_special_tokens=False)
+    engine_prompt = [common_pb2.PositionLogprobs()] + [
+        common_pb2.PositionLogprobs(sampled=common_pb2.TokenLogprob(token_id=i, logprob=-2.0),
+                                    top=[common_pb2.TokenLogprob(token_id=ids[0], logprob=-0.5)]) for i in ids[1:]]
+    positions = client_logprobs(tok, engine_prompt, len(engine_prompt))
+    assert not positions[0].HasField("sampled") and not positions[0].top  # nothing predicts the first token
+    assert [p.sampled.text for p in positions[1:]] == [tok.decode([i], skip_special_tokens=False) for i in ids[1:]]
+    assert all(p.top[0].text == tok.decode([ids[0]]) for p in positions[1:])
+
+
+def test_prompt_logprobs_are_taken_once_with_completion_0():
+    prompt = [common_pb2.PositionLogprobs(), common_pb2.PositionLogprobs(top=[common_pb2.TokenLogprob(token_id=3)])]
+
+    async def scenario():
+        call = ScriptedCall()
+        stream = EngineStream(call)
+        first = engine_pb2.GenerateResponse(token_ids=[5], index=0, prompt_logprobs=prompt)
+        await call.bursts.put([engine_pb2.GenerateResponse(token_ids=[6], index=1), first])
+        taken = []
+        for _ in range(3):
+            await stream.take()
+            taken.append(list(stream.take_prompt_logprobs()))
+            if len(taken) == 2:
+                await call.bursts.put([engine_pb2.GenerateResponse(token_ids=[7], index=0)])
+        stream.cancel()
+        return taken
+
+    # index 0's first message, then index 1's (nothing), then index 0's second (nothing again)
+    assert asyncio.run(scenario()) == [prompt, [], []]

@@ -71,12 +71,15 @@ def _extras_error(**overrides) -> InvalidRequestError:
 
 @pytest.mark.parametrize("value", [0, 5, MAX_LOGPROBS])
 def test_num_logprobs_up_to_the_limit_is_accepted(value):
-    check_extras(num_logprobs=value, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
+    check_extras(num_logprobs=value, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+                 num_prompt_logprobs=value)
 
 
 @pytest.mark.parametrize("overrides, field", [
     (dict(num_logprobs=MAX_LOGPROBS + 1), "sampling.num_logprobs"),
     (dict(num_logprobs=-1), "sampling.num_logprobs"),
+    (dict(num_prompt_logprobs=MAX_LOGPROBS + 1), "sampling.num_prompt_logprobs"),
+    (dict(num_prompt_logprobs=-1), "sampling.num_prompt_logprobs"),
     (dict(repetition_penalty=0.0), "sampling.repetition_penalty"),
     (dict(repetition_penalty=float("nan")), "sampling.repetition_penalty"),
     (dict(repetition_penalty=float("inf")), "sampling.repetition_penalty"),

@@ -36,6 +36,7 @@ SAMPLING_FIELDS = (
     "min_tokens",
     "ignore_eos",
     "num_logprobs",
+    "num_prompt_logprobs",
     "repetition_penalty",
     "presence_penalty",
     "frequency_penalty",
@@ -58,6 +59,7 @@ class GenerateOptions(TypedDict, total=False):
     min_tokens: int | None
     ignore_eos: bool | None
     num_logprobs: int | None
+    num_prompt_logprobs: int | None
     repetition_penalty: float | None
     presence_penalty: float | None
     frequency_penalty: float | None
@@ -225,12 +227,13 @@ class ResultBuilder:
 class _Completion:
     """The messages of one completion (one index) of a Generate stream."""
 
-    __slots__ = ("texts", "token_ids", "logprobs", "last")
+    __slots__ = ("texts", "token_ids", "logprobs", "prompt_logprobs", "last")
 
     def __init__(self) -> None:
         self.texts: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[PositionLogprobs] = []
+        self.prompt_logprobs: list[PositionLogprobs] = []
         self.last: textgen_pb2.GenerateResponse | None = None
 
     @property
@@ -241,6 +244,7 @@ class _Completion:
         self.texts.append(response.text)
         self.token_ids.extend(response.token_ids)
         self.logprobs.extend(_logprobs(p) for p in response.logprobs)
+        self.prompt_logprobs.extend(_logprobs(p) for p in response.prompt_logprobs)
         self.last = response
 
     def result(self, request_id: str) -> GenerationResult:
@@ -260,6 +264,7 @@ class _Completion:
             timing=_timing(last.timing) if last.HasField("timing") else None,
             logprobs=self.logprobs,
             index=last.index,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 

@@ -41,6 +41,9 @@ def _add_generate(subparsers: Any) -> None:
     parser.add_argument("--logprobs", type=int, metavar="N",
                         help="also report each token's log-probability and its N most likely alternatives (0-20); "
                              "printed on stderr after the text, or in --json")
+    parser.add_argument("--prompt-logprobs", type=int, metavar="K",
+                        help="also report each prompt token's log-probability and its K most likely alternatives "
+                             "(0-20); printed on stderr before the generated tokens' logprobs, or in --json")
     parser.add_argument("--n", type=int, help="number of completions (1-16), printed one after another")
     parser.add_argument("--best-of", type=int, metavar="K",
                         help="generate K completions (n-16) and keep the n most likely (whole, not streamed)")
@@ -93,6 +96,7 @@ def _generate(client: LLMServeClient, args: argparse.Namespace) -> int:
         "max_tokens": args.max_tokens,
         "min_tokens": args.min_tokens,
         "num_logprobs": args.logprobs,
+        "num_prompt_logprobs": args.prompt_logprobs,
         "n": args.n,
         "best_of": args.best_of,
         "repetition_penalty": args.repetition_penalty,
@@ -137,7 +141,12 @@ def _generate(client: LLMServeClient, args: argparse.Namespace) -> int:
             raise
     if not last.endswith("\n"):
         print()
+    if result.prompt_logprobs:
+        print("prompt:", file=sys.stderr)
+        _print_logprobs(result.prompt_logprobs)
     if result.logprobs:
+        if result.prompt_logprobs:
+            print("completion:", file=sys.stderr)
         _print_logprobs(result.logprobs)
     return EXIT_OK
 
@@ -153,11 +162,15 @@ def _read_file(path: str | None) -> str | None:
 
 
 def _print_logprobs(logprobs: list) -> None:
-    """One line per generated token on stderr: its logprob and text, then the alternatives."""
+    """One line per token on stderr: its logprob and text, then the alternatives (a dash for the first prompt
+    token, which has no logprob)."""
     for position in logprobs:
         sampled = position.sampled
         alternatives = "  ".join(f"{entry.text!r} {entry.logprob:.3f}" for entry in position.top)
-        line = f"{sampled.logprob:9.4f} {sampled.text!r:<16}" if sampled is not None else " " * 26
+        if sampled is not None:
+            line = f"{sampled.logprob:9.4f} {sampled.text!r:<16}"
+        else:
+            line = f"{'-':>9} {'(no context)':<16}"
         print(f"{line}  | {alternatives}" if alternatives else line, file=sys.stderr)
 
 

@@ -106,9 +106,9 @@ class LLMServeClient(_ClientBase):
         """Start generating for a text, token-id or chat prompt; iterate the result for text deltas.
 
         Options are the sampling fields (temperature, top_p, top_k, min_p, seed, max_tokens, min_tokens,
-        ignore_eos, num_logprobs, repetition_penalty, presence_penalty, frequency_penalty, stop_token_ids, n,
-        best_of: with best_of > n the n chosen completions arrive whole once all have finished), at most one
-        structured-output constraint (json_schema as JSON text or a dict, regex, grammar in EBNF,
+        ignore_eos, num_logprobs, num_prompt_logprobs, repetition_penalty, presence_penalty, frequency_penalty,
+        stop_token_ids, n, best_of: with best_of > n the n chosen completions arrive whole once all have finished),
+        at most one structured-output constraint (json_schema as JSON text or a dict, regex, grammar in EBNF,
         json_object=True), stop strings, skip_special_tokens, include_stop_str_in_output and request_id; left out
         or None means the server's default. `timeout` bounds the whole stream, retries included; `retry` (a
         RetryPolicy, a number of retries, or None) overrides the client's policy.

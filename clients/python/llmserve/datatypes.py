@@ -68,7 +68,8 @@ class TokenLogprob:
 
 @dataclass(slots=True, frozen=True)
 class PositionLogprobs:
-    """Log-probabilities at one generated position: the sampled token and the top alternatives."""
+    """Log-probabilities at one position: the sampled token (at a prompt position, the prompt token; None for the
+    first prompt token, which nothing predicts) and the top alternatives."""
 
     sampled: TokenLogprob | None
     top: tuple[TokenLogprob, ...] = ()
@@ -96,11 +97,13 @@ class GenerationResult:
     timing: Timing | None = None
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     index: int = 0  # which completion (sampling n) this is
+    # One per prompt token when num_prompt_logprobs was set (the first's `sampled` is None); on completion 0
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
     completions: list[GenerationResult] = field(default_factory=list)  # all n of them when n > 1, by index
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (finish_reason as a lower-case name, times as ISO strings and seconds; `logprobs` only
-        when the request asked for them)."""
+        """A JSON-ready dict (finish_reason as a lower-case name, times as ISO strings and seconds; `logprobs` and
+        `prompt_logprobs` only when the request asked for them)."""
         timing = None
         if self.timing is not None:
             arrival = self.timing.arrival_time
@@ -126,6 +129,8 @@ class GenerationResult:
         }
         if self.logprobs:
             result["logprobs"] = [position.to_dict() for position in self.logprobs]
+        if self.prompt_logprobs:
+            result["prompt_logprobs"] = [position.to_dict() for position in self.prompt_logprobs]
         if self.completions:
             result["completions"] = [{"index": c.index} | (c.to_dict() if c is not self else _own(result))
                                      for c in self.completions]

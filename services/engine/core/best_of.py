@@ -12,7 +12,7 @@ rule from this one place.
 
 from dataclasses import dataclass, field
 
-from services.engine.core.interfaces import RequestOutput, TokenLogprobs
+from services.engine.core.interfaces import PromptLogprobs, RequestOutput, TokenLogprobs
 from services.engine.core.sequence import FinishReason
 
 
@@ -25,10 +25,13 @@ class _Held:
     token_ids: dict[int, list[int]] = field(default_factory=dict)
     logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     finals: dict[int, RequestOutput] = field(default_factory=dict)
+    prompt_logprobs: PromptLogprobs | None = None  # sent once, on generated completion 0's first output
 
     def add(self, output: RequestOutput) -> None:
         self.token_ids.setdefault(output.index, []).extend(output.new_token_ids)
         self.logprobs.setdefault(output.index, []).extend(output.logprobs or ())
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         if output.finish_reason is not None:
             self.finals[output.index] = output
 
@@ -40,7 +43,9 @@ class _Held:
                                   last.num_cached_tokens, queue_time_s=last.queue_time_s, index=rank,
                                   request_finished=rank == self.n - 1) for rank in range(self.n)]
         ranked = sorted(self.finals, key=lambda index: (-self.cumulative_logprob(index), index))[:self.n]
-        return [self._ranked_output(index, rank) for rank, index in enumerate(ranked)]
+        outputs = [self._ranked_output(index, rank) for rank, index in enumerate(ranked)]
+        outputs[0].prompt_logprobs = self.prompt_logprobs  # the prompt's entries go with rank 0, as with index 0
+        return outputs
 
     def cumulative_logprob(self, index: int) -> float:
         return sum(position.logprob for position in self.logprobs[index])

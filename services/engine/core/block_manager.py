@@ -172,8 +172,9 @@ class BlockManager:
         """Ids of the cached blocks that `seq` could reuse now (its last token is never among them).
 
         NOTE: at least one token is always computed, in a block of its own, so the step yields logits.
+        A sequence that needs its prompt's log-probabilities reuses nothing: it needs every position's logits.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return []
         block_ids: list[int] = []
         for index in range((len(seq.token_ids) - 1) // self.block_size):

@@ -16,6 +16,7 @@ from services.engine.core.config import SchedulerConfig
 from services.engine.core.block_manager import KvCacheEvents
 from services.engine.core.errors import DuplicateRequestError, QueueFullError
 from services.engine.core.interfaces import EngineStats, ModelRunner, RequestOutput
+from services.engine.core.prompt_logprobs import gather_prompt_logprobs, pop_prompt_logprobs
 from services.engine.core.request_validator import RequestValidator
 from services.engine.core.sampling_params import SamplingParams
 from services.engine.core.scheduler import Scheduler
@@ -48,6 +49,7 @@ class EngineCore:
         self._seq_ids = itertools.count()
         self._admission_rate = AdmissionRate()
         self._take_logprobs = getattr(runner, "take_logprobs", None)  # optional (see interfaces.ModelRunner)
+        self._take_prompt_logprobs = getattr(runner, "take_prompt_logprobs", None)  # optional, likewise
 
     def add_request(
         self,
@@ -157,12 +159,16 @@ class EngineCore:
         if batch.seqs:
             sampled_token_ids = self.runner.execute(batch)
             logprobs = self._take_logprobs() if self._take_logprobs is not None else None
+            if batch.is_prefill and self._take_prompt_logprobs is not None:
+                gather_prompt_logprobs(batch.seqs, self._take_prompt_logprobs())
             for seq in self.scheduler.postprocess(batch, sampled_token_ids):
                 self._admit_siblings(seq.request_id)
                 request_finished = seq.is_finished and self._retire(seq)
                 position = logprobs.get(seq.seq_id) if logprobs else None
                 outputs.append(_output_of(seq, [seq.last_token_id], None if position is None else [position],
                                           request_finished))
+                if seq.sampling.num_prompt_logprobs is not None:
+                    outputs[-1].prompt_logprobs = pop_prompt_logprobs(seq)
         return self._best_of.select(outputs) if self._best_of else outputs
 
     def _admit_siblings(self, request_id: str) -> None:

@@ -37,7 +37,9 @@ class ModelRunner(Protocol):
         The sample index of a sequence (for per-request seeds) is `seq.num_completion_tokens`.
         Sequences must not be mutated.
         A runner that computes log-probabilities also has `take_logprobs() -> dict[int, TokenLogprobs]`: those of
-        the last `execute`, keyed by seq_id, for the sequences whose sampling asked (num_logprobs set).
+        the last `execute`, keyed by seq_id, for the sequences whose sampling asked (num_logprobs set), and
+        `take_prompt_logprobs() -> dict[int, PromptLogprobs]`: the prompt tokens this step's chunk predicted, for
+        the sequences with `needs_prompt_logprobs`.
         """
         ...
 
@@ -60,10 +62,40 @@ class TokenLogprobs:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """Log-probabilities of consecutive prompt tokens, each given the tokens before it, under the model's raw
+    distribution (as TokenLogprobs). Entry j is about prompt token `token_ids[j]`; its `num_top` alternatives,
+    most likely first, are `top_token_ids[j * num_top : (j + 1) * num_top]` (flat, so chunks concatenate).
+
+    A whole prompt's has one entry per prompt token but the first (nothing predicts it).
+    """
+
+    num_top: int
+    token_ids: list[int]  # [M]
+    logprobs: list[float]  # [M]
+    top_token_ids: list[int]  # [M * num_top]
+    top_logprobs: list[float]  # [M * num_top]
+
+    def extend(self, chunk: "PromptLogprobs") -> None:
+        """Append the entries of the chunk that follows these in the prompt."""
+        self.token_ids += chunk.token_ids
+        self.logprobs += chunk.logprobs
+        self.top_token_ids += chunk.top_token_ids
+        self.top_logprobs += chunk.top_logprobs
+
+    def positions(self) -> list[TokenLogprobs]:
+        """One TokenLogprobs per entry (the prompt token's logprob and its alternatives)."""
+        k = self.num_top
+        return [TokenLogprobs(logprob, self.top_token_ids[j * k:(j + 1) * k], self.top_logprobs[j * k:(j + 1) * k])
+                for j, logprob in enumerate(self.logprobs)]
+
+
+@dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request: its new token ids, and the finish reason on the last.
 
-    `logprobs` has one entry per new token id when the request asked for them, else None.
+    `logprobs` has one entry per new token id when the request asked for them, else None. `prompt_logprobs` is
+    set on completion 0's output with its first token, when the request asked (sampling.num_prompt_logprobs).
     `index`: which of the request's sampling.n completions this is. `finish_reason` ends that completion;
     `request_finished` is set on the last output of the whole request (after every completion's final one).
     """
@@ -79,6 +111,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     index: int = 0
     request_finished: bool = False
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:

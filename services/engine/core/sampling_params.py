@@ -17,7 +17,9 @@ class SamplingParams:
     batch. The engine stops on EOS (unless `ignore_eos`) or any of `stop_token_ids`, but not before
     `min_tokens` completion tokens, and always at `max_tokens`.
     `num_logprobs` (None = off) asks for the sampled token's log-probability and that many top alternatives per
-    generated position, before temperature and filters (raw). Penalties (off at their neutral values):
+    generated position, before temperature and filters (raw); `num_prompt_logprobs` (None = off) the same for every
+    prompt token after the first, sent once with the first generated token (a request asking for them takes no
+    prefix-cache hits: every prompt position's logits are computed). Penalties (off at their neutral values):
     `repetition_penalty` divides positive logits / multiplies negative ones of every token already in the prompt
     or output (transformers' definition); `presence_penalty` and `frequency_penalty` subtract
     presence * [count > 0] + frequency * count over the output tokens (OpenAI's definition).
@@ -51,6 +53,7 @@ class SamplingParams:
     json_object: bool = False
     n: int = 1
     best_of: int | None = None
+    num_prompt_logprobs: int | None = None
     constraint: tuple[str, str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -70,7 +73,8 @@ class SamplingParams:
                        max_tokens=self.max_tokens, min_tokens=self.min_tokens, seed=self.seed, n=self.n,
                        best_of=self.best_of)
         check_extras(num_logprobs=self.num_logprobs, repetition_penalty=self.repetition_penalty,
-                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
+                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                     num_prompt_logprobs=self.num_prompt_logprobs)
 
     def _check_constraint(self) -> tuple[str, str] | None:
         return check_constraint(json_schema=self.json_schema, regex=self.regex, grammar=self.grammar,

@@ -2,8 +2,12 @@
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 from services.engine.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from services.engine.core.interfaces import PromptLogprobs
 
 
 class SequenceStatus(IntEnum):
@@ -51,6 +55,7 @@ class Sequence:
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None  # when its prefill first began (monotonic)
     index: int = 0  # which of its request's sampling.n completions this sequence is
+    prompt_logprobs: "PromptLogprobs | None" = None  # gathered over the prompt's chunks, until sent
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
@@ -71,6 +76,13 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether this step's prompt positions need their log-probabilities: the request asked and this is its
+        first completion, not yet past its prompt (a recomputation after preemption never is)."""
+        return (self.sampling.num_prompt_logprobs is not None and self.index == 0
+                and len(self.token_ids) == self.num_prompt_tokens)
 
     @property
     def is_finished(self) -> bool:

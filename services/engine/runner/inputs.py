@@ -16,6 +16,7 @@ from services.engine.core.interfaces import SchedulerOutput
 from services.engine.core.sequence import Sequence
 from services.engine.layers.attention_metadata import AttentionMetadata
 from services.engine.runner.block_tables import PersistentBlockTables
+from services.engine.runner.prompt_logprobs import PromptRows, make_prompt_rows
 
 
 @dataclass(slots=True)
@@ -29,6 +30,7 @@ class StepInputs:
     [2, B+1] int32 (prefill: offsets of the new tokens, then of the whole contexts).
     logits_indices [S] int64: flat rows to compute logits for (prefill only; decode samples every row);
     sample_seq_indices: the batch position of each sampled sequence.
+    prompt_rows: the prompt positions whose log-probabilities a request asked for (prefill only; usually None).
     """
 
     is_prefill: bool
@@ -40,6 +42,7 @@ class StepInputs:
     seqlens_q: list[int] | None = None
     cu_seqlens: torch.Tensor | None = None
     logits_indices: torch.Tensor | None = None
+    prompt_rows: PromptRows | None = None
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -64,7 +67,8 @@ class StepInputs:
             return None if t is None else t.clone()
         return StepInputs(self.is_prefill, clone(self.token_data), clone(self.block_tables), self.seqlens_k,
                           self.sample_seq_indices, clone(self.context_lens), self.seqlens_q,
-                          clone(self.cu_seqlens), clone(self.logits_indices))
+                          clone(self.cu_seqlens), clone(self.logits_indices),
+                          None if self.prompt_rows is None else self.prompt_rows.detached())
 
 
 @dataclass(slots=True)
@@ -180,7 +184,8 @@ class StepInputBuilder:
         has_prefix = bool(starts.any())
         block_tables = self._gather_tables(rows, max(seqlens_k)) if has_prefix else None
         return StepInputs(True, token_data, block_tables, seqlens_k, sampled.tolist(), seqlens_q=seqlens_q,
-                          cu_seqlens=cu_seqlens, logits_indices=logits_indices)
+                          cu_seqlens=cu_seqlens, logits_indices=logits_indices,
+                          prompt_rows=make_prompt_rows(seqs, starts, ends, cu_q))
 
     def _slots(self, token_rows: np.ndarray, positions: np.ndarray, out: np.ndarray) -> None:
         """Cache slot of each token [N] from its block-table row and position (block id * size + offset)."""

@@ -26,6 +26,7 @@ from services.engine.runner.grammar import GrammarMasks
 from services.engine.runner.grammar_compiler import GrammarCompiler
 from services.engine.runner.cuda_graphs import DecodeGraphBuffers, DecodeGraphs, graph_batch_sizes
 from services.engine.runner.inputs import StepInputBuilder, StepInputs, cacheless_prefill, to_model_inputs
+from services.engine.runner.prompt_logprobs import compute_prompt_logprobs
 from services.engine.runner.kv_cache import allocate_kv_cache, bind_kv_cache, size_kv_cache, unbound_kv_cache
 from services.engine.runner.sampling_step import StepSampler
 
@@ -49,11 +50,19 @@ def resolve_device(name: str, rank: int = 0, tp_size: int = 1) -> torch.device:
     return device
 
 
+def cpu_has_fast_bf16() -> bool:
+    """AMX or AVX512-BF16: the CPUs whose bf16 matmuls beat fp32 (on AMX 2.6-6x at batch 32-256). Elsewhere
+    (AVX2 only) torch emulates bf16 and loses 2-10x at batch >= 8, so auto stays fp32 there."""
+    capabilities = torch.cpu.get_capabilities()
+    return bool(capabilities.get("amx_bf16") or capabilities.get("avx512_bf16"))
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto": fp32 on CPU, bf16 on CUDA (fp16 where bf16 is unsupported)."""
+    """"auto": bf16 on CUDA (fp16 where bf16 is unsupported); on CPU bf16 where `cpu_has_fast_bf16`, else
+    fp32. Norms, softmax, log-probabilities and sampling compute in fp32 whatever the weights' dtype."""
     if name == "auto":
         if device.type != "cuda":
-            return torch.float32
+            return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(_DTYPES)}")
@@ -181,6 +190,8 @@ class ModelRunner:
         self.grammar_masks = GrammarMasks(GrammarCompiler(None, self.vocab_size, []), self.device)
         self._device_logprobs = None
         self._logprobs: dict = {}
+        self._device_prompt_logprobs = None
+        self._prompt_logprobs: dict = {}
         self.inputs = StepInputBuilder(self.block_size, self.max_blocks_per_seq, self.args.max_num_seqs, self.device)
         self._sampled = SampledIds(self.args.max_num_seqs, self.device)
         self.graphs: DecodeGraphs | None = None
@@ -248,6 +259,9 @@ class ModelRunner:
         if hidden is None:
             inputs = to_model_inputs(step, self.device)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)  # [N, hidden]
+            if step.prompt_rows is not None:  # rows of the prompt positions a request asked logprobs for
+                self._device_prompt_logprobs = compute_prompt_logprobs(
+                    self.model.compute_logits, hidden, step.prompt_rows, max(1, self.args.max_num_seqs))
             if step.is_prefill:
                 if not step.sample_seq_indices:
                     return None
@@ -256,7 +270,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits(self, batch: SchedulerOutput) -> tuple[torch.Tensor | None, list[int]]:
-        """The step's logits [S, V] (None if nothing is sampled) and the batch position of each row."""
+        """The step's logits [S, V] (None if nothing is sampled) and the batch position of each row; the prompt
+        log-probabilities a request asked for wait in `self._device_prompt_logprobs` for `execute`."""
+        self._device_prompt_logprobs = None
         if self._attention_layers[0].k_cache.data_ptr() != self.kv_cache.data_ptr():
             bind_kv_cache(self._attention_layers, self.kv_cache)  # another runner shares this model
         step = self.inputs.build(batch)
@@ -279,6 +295,11 @@ class ModelRunner:
                                                                 self.grammar_masks)
         return token_ids, sample_seq_indices
 
+    def take_prompt_logprobs(self) -> dict:
+        """seq_id -> PromptLogprobs chunk of the last execute, for the sequences that need them (interfaces)."""
+        chunks, self._prompt_logprobs = self._prompt_logprobs, {}
+        return chunks
+
     def take_logprobs(self) -> dict:
         """seq_id -> TokenLogprobs of the last execute, for the sequences that asked (see interfaces.ModelRunner)."""
         logprobs, self._logprobs = self._logprobs, {}
@@ -291,9 +312,13 @@ class ModelRunner:
         if not batch.seqs:
             return results
         token_ids, sample_seq_indices = self.sample_on_device(batch)
-        if token_ids is None:
+        sampled = self._sampled.to_host(token_ids) if token_ids is not None else None
+        self._prompt_logprobs = {}
+        if self._device_prompt_logprobs is not None:  # a step of chunks only waits on the device here
+            self._prompt_logprobs = self._device_prompt_logprobs.to_host()
+            self._device_prompt_logprobs = None
+        if sampled is None:
             return results
-        sampled = self._sampled.to_host(token_ids)
         if self._device_logprobs is not None:
             self._logprobs = self._device_logprobs.to_host()  # after the step's sync: the values are ready
         if len(sampled) == len(results):  # every sequence sampled (always so in decode), in batch order

@@ -34,7 +34,7 @@ class _Stream:
     """One request's outputs not yet taken by its reader."""
 
     __slots__ = ("request_id", "num_prompt_tokens", "pending", "pending_logprobs", "num_cached_tokens",
-                 "num_completion_tokens", "finished", "error", "waiter", "index")
+                 "num_completion_tokens", "finished", "error", "waiter", "index", "prompt_logprobs")
 
     def __init__(self, request_id: str, num_prompt_tokens: int, index: int = 0):
         self.request_id = request_id
@@ -47,6 +47,7 @@ class _Stream:
         self.finished = None  # FinishedRequest once the core says so
         self.error: BaseException | None = None
         self.waiter: asyncio.Future | None = None
+        self.prompt_logprobs = None  # PromptLogprobs, until the reader takes them with the first token
 
     def has_output(self, interval: int) -> bool:
         """Whether the reader should write now: the first token, `interval` pending tokens, the end or an error."""
@@ -67,14 +68,16 @@ class _Stream:
         if self.pending_logprobs:
             logprobs, self.pending_logprobs = self.pending_logprobs, []
         self.num_completion_tokens += len(ids)
+        prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
         finished = self.finished
         if finished is None:
             return RequestOutput(self.request_id, ids, None, self.num_prompt_tokens, self.num_completion_tokens,
-                                 self.num_cached_tokens, logprobs=logprobs, index=self.index)
+                                 self.num_cached_tokens, logprobs=logprobs, index=self.index,
+                                 prompt_logprobs=prompt_logprobs)
         return RequestOutput(self.request_id, ids, FinishReason(finished.finish_reason), finished.num_prompt_tokens,
                              finished.num_completion_tokens, finished.num_cached_tokens,
                              finished.matched_stop_token_id, queue_time_s=finished.queue_time_s, logprobs=logprobs,
-                             index=self.index)
+                             index=self.index, prompt_logprobs=prompt_logprobs)
 
 
 class AsyncEngine:
@@ -272,6 +275,10 @@ class AsyncEngine:
             self._kv_subscribers.on_step(message)
         streams, interval = self._streams, self._stream_interval
         logprobs = message.logprobs.unpack() if message.logprobs is not None else None
+        for handle, prompt_logprobs in (message.prompt_logprobs or {}).items():
+            stream = streams.get(handle)
+            if stream is not None:
+                stream.prompt_logprobs = prompt_logprobs  # rides with the first token, delivered below
         for position, (handle, token_id, num_cached) in enumerate(
                 zip(message.handles, message.token_ids, message.num_cached_tokens)):
             stream = streams.get(handle)

@@ -5,7 +5,7 @@ from llmserve.engine.v1 import engine_pb2
 
 from services.common.convert import RequestClock, constraint_fields
 from services.common.validation import PROMPT_TOKEN_IDS, check_room_for_completion, check_wire_sampling
-from services.engine.core.interfaces import EngineStats, RequestOutput, TokenLogprobs
+from services.engine.core.interfaces import EngineStats, PromptLogprobs, RequestOutput, TokenLogprobs
 from services.engine.core.sampling_params import SamplingParams
 from services.engine.core.sequence import FinishReason
 from services.engine.serving.kv_subscribers import KvEventBatch
@@ -46,6 +46,7 @@ def sampling_from_proto(proto: common_pb2.SamplingParams, num_prompt_tokens: int
         frequency_penalty=proto.frequency_penalty,
         n=proto.n if proto.HasField("n") else 1,
         best_of=proto.best_of if proto.HasField("best_of") else None,
+        num_prompt_logprobs=proto.num_prompt_logprobs if proto.HasField("num_prompt_logprobs") else None,
         **constraint_fields(proto),
     )
 
@@ -67,6 +68,8 @@ def response_from_output(output: RequestOutput, timing: RequestClock) -> engine_
     if output.logprobs:
         response.logprobs.extend(position_logprobs(token_id, position)
                                  for token_id, position in zip(output.new_token_ids, output.logprobs))
+    if output.prompt_logprobs is not None:
+        response.prompt_logprobs.extend(prompt_position_logprobs(output.prompt_logprobs))
     return response
 
 
@@ -84,6 +87,18 @@ def completion_refs_from_proto(refs) -> list[tuple[str, int]]:
 
 def completion_refs_to_proto(refs: list[tuple[str, int]]) -> list[engine_pb2.CompletionRef]:
     return [engine_pb2.CompletionRef(request_id=request_id, index=index) for request_id, index in refs]
+
+
+def prompt_position_logprobs(prompt: PromptLogprobs) -> list[common_pb2.PositionLogprobs]:
+    """One entry per prompt token: the first empty (nothing predicts it), then each token's logprob and top."""
+    k = prompt.num_top
+    entries = [common_pb2.PositionLogprobs()]
+    for j, (token_id, logprob) in enumerate(zip(prompt.token_ids, prompt.logprobs)):
+        entries.append(common_pb2.PositionLogprobs(
+            sampled=common_pb2.TokenLogprob(token_id=token_id, logprob=logprob),
+            top=[common_pb2.TokenLogprob(token_id=i, logprob=v)
+                 for i, v in zip(prompt.top_token_ids[j * k:(j + 1) * k], prompt.top_logprobs[j * k:(j + 1) * k])]))
+    return entries
 
 
 def kv_events_response(batch: KvEventBatch, block_size: int,

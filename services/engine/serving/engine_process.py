@@ -154,6 +154,7 @@ class CoreLoop:
     def _publish(self, outputs: list[RequestOutput]) -> None:
         per_front: dict[int, tuple[array, array, array, list]] = {}
         logprobs: dict[int, StepLogprobs] = {}
+        prompt_logprobs: dict[int, dict] = {}  # front -> handle -> PromptLogprobs
         routes = self._routes
         for output in outputs:
             route = routes.get(output.request_id)
@@ -164,6 +165,8 @@ class CoreLoop:
             batch = per_front.get(front)
             if batch is None:
                 batch = per_front[front] = (array("q"), array("q"), array("q"), [])
+            if output.prompt_logprobs is not None:
+                prompt_logprobs.setdefault(front, {})[handle] = output.prompt_logprobs
             new_token_ids = output.new_token_ids
             if len(new_token_ids) > 1:  # a held-back best_of completion, whole (services.engine.core.best_of)
                 _append_tokens(batch, output, handle, logprobs, front)
@@ -195,7 +198,7 @@ class CoreLoop:
                 batch = (array("q"), array("q"), array("q"), [])
             self._last_stats_sent[front] = now
             self._send(front, encode(StepOutputs(*batch, stats, self._num_finished_requests, front_kv_events,
-                                                 logprobs.get(front))))
+                                                 logprobs.get(front), prompt_logprobs.get(front))))
 
     def _send(self, front: int, data: bytes) -> None:
         try:

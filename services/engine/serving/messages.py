@@ -24,7 +24,7 @@ import pickle
 from array import array
 from dataclasses import dataclass, field
 
-from services.engine.core.interfaces import EngineStats, TokenLogprobs
+from services.engine.core.interfaces import EngineStats, PromptLogprobs, TokenLogprobs
 from services.engine.core.sampling_params import SamplingParams
 
 NO_TOKEN = -1  # in StepOutputs.token_ids: this output carries no token (an abort)
@@ -123,7 +123,8 @@ class StepOutputs:
 
     `handles[i]` got token `token_ids[i]` (NO_TOKEN for none) with `num_cached_tokens[i]` prompt tokens
     served from the prefix cache; a request finishing in this step also has an entry in `finished`.
-    `logprobs` is None unless some request of the step asked for log-probabilities.
+    `logprobs` is None unless some request of the step asked for log-probabilities; `prompt_logprobs` maps the
+    handle of each output carrying its request's prompt log-probabilities (with its first token) to them.
     """
 
     handles: array  # int64 [N]
@@ -136,6 +137,7 @@ class StepOutputs:
     # as a plain tuple (pickling a class costs more than its bytes).
     kv_events: tuple[bytes, bytes] | None = None
     logprobs: StepLogprobs | None = None
+    prompt_logprobs: dict[int, PromptLogprobs] | None = None
 
 
 @dataclass(slots=True)

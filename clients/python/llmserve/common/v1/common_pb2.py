@@ -26,23 +26,23 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fllmserve/common/v1/common.proto\x12\x12llmserve.common.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa6\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x05\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x06\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x07 \x01(\rH\x07\x88\x01\x01\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x19\n\x0cnum_logprobs\x18\n \x01(\rH\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\n\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x0b\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x0c\x88\x01\x01\x12\x0e\n\x01n\x18\x0e \x01(\rH\r\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x10 \x01(\rH\x0e\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x14 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x15 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x16 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x17 \x01(\x08H\x00\x42\x0c\n\nconstraintB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0f\n\r_num_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x04\n\x02_nB\n\n\x08_best_of\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xdf\x01\n\rRequestTiming\x12\x30\n\x0c\x61rrival_time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x31\n\x0equeue_duration\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x36\n\x13time_to_first_token\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x31\n\x0etotal_duration\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"t\n\x10PositionLogprobs\x12\x31\n\x07sampled\x18\x01 \x01(\x0b\x32 .llmserve.common.v1.TokenLogprob\x12-\n\x03top\x18\x02 \x03(\x0b\x32 .llmserve.common.v1.TokenLogprob*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fllmserve/common/v1/common.proto\x12\x12llmserve.common.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xe0\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x05\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x06\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x07 \x01(\rH\x07\x88\x01\x01\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x19\n\x0cnum_logprobs\x18\n \x01(\rH\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\n\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x0b\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x0c\x88\x01\x01\x12\x0e\n\x01n\x18\x0e \x01(\rH\r\x88\x01\x01\x12 \n\x13num_prompt_logprobs\x18\x0f \x01(\rH\x0e\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x10 \x01(\rH\x0f\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x14 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x15 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x16 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x17 \x01(\x08H\x00\x42\x0c\n\nconstraintB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0f\n\r_num_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x04\n\x02_nB\x16\n\x14_num_prompt_logprobsB\n\n\x08_best_of\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xdf\x01\n\rRequestTiming\x12\x30\n\x0c\x61rrival_time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x31\n\x0equeue_duration\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x36\n\x13time_to_first_token\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x31\n\x0etotal_duration\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"t\n\x10PositionLogprobs\x12\x31\n\x07sampled\x18\x01 \x01(\x0b\x32 .llmserve.common.v1.TokenLogprob\x12-\n\x03top\x18\x02 \x03(\x0b\x32 .llmserve.common.v1.TokenLogprob*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmserve.common.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1292
-  _globals['_FINISHREASON']._serialized_end=1414
+  _globals['_FINISHREASON']._serialized_start=1350
+  _globals['_FINISHREASON']._serialized_end=1472
   _globals['_SAMPLINGPARAMS']._serialized_start=121
-  _globals['_SAMPLINGPARAMS']._serialized_end=799
-  _globals['_USAGE']._serialized_start=801
-  _globals['_USAGE']._serialized_end=881
-  _globals['_REQUESTTIMING']._serialized_start=884
-  _globals['_REQUESTTIMING']._serialized_end=1107
-  _globals['_TOKENLOGPROB']._serialized_start=1109
-  _globals['_TOKENLOGPROB']._serialized_end=1172
-  _globals['_POSITIONLOGPROBS']._serialized_start=1174
-  _globals['_POSITIONLOGPROBS']._serialized_end=1290
+  _globals['_SAMPLINGPARAMS']._serialized_end=857
+  _globals['_USAGE']._serialized_start=859
+  _globals['_USAGE']._serialized_end=939
+  _globals['_REQUESTTIMING']._serialized_start=942
+  _globals['_REQUESTTIMING']._serialized_end=1165
+  _globals['_TOKENLOGPROB']._serialized_start=1167
+  _globals['_TOKENLOGPROB']._serialized_end=1230
+  _globals['_POSITIONLOGPROBS']._serialized_start=1232
+  _globals['_POSITIONLOGPROBS']._serialized_end=1348
 # @@protoc_insertion_point(module_scope)
