@@ -134,7 +134,8 @@ def main() -> None:
             for scenario in SCENARIOS:
                 old_wall, new_wall, old_cpu, new_cpu = measure(num_rows, scenario, repeats)
                 print(f"{threads:>7} {num_rows:>4} {scenario:>10} {old_wall:>9.2f} {new_wall:>9.2f} "
-                      f"{new_wall / old_wall:>8.2f} {old_cpu:>9.2f} {new_cpu:>9.2f} {new_cpu / old_cpu:>8.2f}", flush=True)
+                      f"{new_wall / old_wall:>8.2f} {old_cpu:>9.2f} {new_cpu:>9.2f} {new_cpu / old_cpu:>8.2f}",
+                      flush=True)
 
 
 if __name__ == "__main__":
