@@ -5,23 +5,25 @@ the probability mass ranked strictly above it is < top_p, so the kept head is th
 reaches top_p; min-p keeps tokens with probability >= min_p * the top probability.
 
 `Sampler.sample` never waits on the device; `__call__` adds the step's one host sync (`.tolist()`).
-An all-greedy batch builds no parameter tensors at all. Sampling uses the exponential race: with q ~ Exp(1)
-i.i.d. per token, argmax(probs / q) is distributed as probs. Rows with a seed draw q from a generator
-seeded by (seed, sample index) alone, so their draws never depend on the rest of the batch.
+An all-greedy batch builds no parameter tensors at all, and a batch without greedy rows skips the argmax.
+
+Drawing: inverse-CDF sampling, one uniform u in [0, 1) per row (O(B) random numbers a step, where the
+exponential race this replaced drew B x V). The row's token is the first whose cumulative probability exceeds
+u * total. Unseeded rows take u from the sampler's generator; seeded rows take the u that SamplingBatch
+hashed on the host from (seed, sample index) alone (sampling_batch.seeded_uniforms), so a seeded row draws the
+same token whatever else shares the batch, without a generator per row.
+
+NOTE: a zero-probability token is never drawn. The search finds j with cdf[j-1] <= t < cdf[j] (t = u * total,
+kept strictly below total so j < V), so token j has a step in the cdf. On CPU the scan is sequential (float64
+accumulator), so a zero adds exactly nothing and has no step. A parallel scan (CUDA) adds in tree order, and
+two neighbours' prefixes may then differ by an ulp across a zero; there the zeros' cdf entries are replaced
+by the running maximum of the nonzero ones (`exact_zero_steps=False`), which leaves them no step either.
+The fp32 cdf resolves about 6e-8 of probability near its top, about what the exponential race in fp32 did.
 """
 
 import torch
 
 from services.engine.runner.sampling_batch import SamplingBatch
-
-_SEED_MIX = 0x9E3779B97F4A7C15
-_SEED_MASK = (1 << 63) - 1
-
-
-def seeded_generator(seed: int, sample_index: int, device: torch.device) -> torch.Generator:
-    generator = torch.Generator(device=device)
-    generator.manual_seed((seed * _SEED_MIX + sample_index) & _SEED_MASK)
-    return generator
 
 
 class Sampler:
@@ -37,12 +39,14 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Token ids [B] on the logits' device, without waiting on it."""
-        greedy_ids = logits.argmax(dim=-1)  # [B]
         if batch.all_greedy:
-            return greedy_ids
-        probs = self.filtered_probs(logits.float(), batch)
-        sampled_ids = (probs / self._exponential(probs.shape, batch)).argmax(dim=-1)
-        return torch.where(batch.is_greedy, greedy_ids, sampled_ids)
+            return logits.argmax(dim=-1)  # [B]
+        probs = self.filtered_probs(logits.float(), batch)  # [B, V]
+        sampled_ids = sample_inverse_cdf(probs, self._uniforms(batch),
+                                         exact_zero_steps=probs.device.type == "cpu")  # [B]
+        if batch.is_greedy is None:
+            return sampled_ids
+        return torch.where(batch.is_greedy, logits.argmax(dim=-1), sampled_ids)
 
     @staticmethod
     def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -56,13 +60,30 @@ class Sampler:
             probs = probs.masked_fill(probs < threshold, 0.0)
         return probs
 
-    def _exponential(self, shape: torch.Size, batch: SamplingBatch) -> torch.Tensor:
-        # -log(u) with u in [0, 1) is Exp(1) and never 0 (u = 0 gives inf: that token simply loses).
-        q = -torch.rand(shape, generator=self.generator, device=self.device).log_()  # [B, V]
-        for row, seed, sample_index in batch.seeded_rows:
-            generator = seeded_generator(seed, sample_index, self.device)
-            q[row] = -torch.rand(shape[1], generator=generator, device=self.device).log_()
-        return q
+    def _uniforms(self, batch: SamplingBatch) -> torch.Tensor:
+        """One uniform in [0, 1) per row [B] float64: the seeded rows' own, the others' from `generator`."""
+        num_rows = batch.temperatures.shape[0]
+        uniforms = torch.rand(num_rows, generator=self.generator, dtype=torch.float64, device=self.device)
+        if batch.is_seeded is None:
+            return uniforms
+        return torch.where(batch.is_seeded, batch.seeded_uniforms, uniforms)
+
+
+def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor, exact_zero_steps: bool) -> torch.Tensor:
+    """Token ids [B]: row b's first token whose cumulative probability exceeds uniforms[b] * its total.
+
+    probs [B, V] fp32 >= 0 (need not sum to 1; each row has a positive entry); uniforms [B] float64 in [0, 1).
+    `exact_zero_steps`: whether probs.cumsum adds a zero exactly (true of CPU's sequential scan); when false,
+    the zeros' cdf entries are rebuilt so they cannot be drawn (see the module docstring).
+    """
+    cdf = probs.cumsum(dim=-1)  # [B, V]
+    if not exact_zero_steps:
+        cdf = torch.where(probs > 0, cdf, 0.0).cummax(dim=-1).values
+    total = cdf[:, -1:]  # [B, 1]
+    targets = (uniforms[:, None] * total.double()).float()  # [B, 1]
+    # Rounding to fp32 can carry u * total up to total itself; the largest float below it keeps j < V.
+    targets = torch.minimum(targets, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, targets, right=True).squeeze(-1)
 
 
 def _mask_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
