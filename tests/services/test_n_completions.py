@@ -6,15 +6,19 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from llmserve import FinishReason
 from llmserve.common.v1 import common_pb2
 from llmserve.engine.v1 import engine_pb2
 from llmserve.textgen.v1 import textgen_pb2
 from tests.services.helpers import engine_load, field_violations, wait_engine_idle
+from tests.services.test_generation import pick_stop_string
 
 pytestmark = pytest.mark.slow
 
 CALL_TIMEOUT_S = 120
 N = 3
+STOP_PROMPT = "Write a short story about a lighthouse keeper."
+STOP_MAX_TOKENS = 48
 
 
 def _greedy(max_tokens: int, n: int = N) -> common_pb2.SamplingParams:
@@ -80,6 +84,40 @@ def test_cancel_mid_stream_frees_every_completions_blocks(engine_stub, idle_engi
     assert engine_load(engine_stub).num_used_blocks > 0
     call.cancel()
     assert wait_engine_idle(engine_stub).num_used_blocks == 0
+
+
+def _stop_in_second_completion_only(offline) -> tuple[int, list[dict], tuple[str, int, int]]:
+    """(seed, the two completions' references, a stop string of completion 1 absent from completion 0's text).
+
+    With seed s, completion i samples as an n = 1 request with seed s + i, so the references are two seeded
+    n = 1 runs; the first seed whose completion 1 has a stop string completion 0 never produces is taken."""
+    for seed in range(10):
+        references = [offline.generate([STOP_PROMPT], temperature=1.0, top_p=1.0, seed=seed + i,
+                                       max_tokens=STOP_MAX_TOKENS, ignore_eos=True)[0] for i in range(2)]
+        stop = pick_stop_string(offline.tokenizer, references[1]["token_ids"])
+        if stop[0] not in references[0]["text"]:
+            return seed, references, stop
+    raise AssertionError("no seed gave completion 1 a stop string that completion 0 lacks")
+
+
+def test_a_stop_string_ends_one_completion_in_the_engine_and_its_sibling_runs_on(client, offline, engine_stub,
+                                                                                  idle_engine):
+    seed, references, (stop, offset, completing_index) = _stop_in_second_completion_only(offline)
+    before = engine_load(engine_stub)
+    result = client.complete(STOP_PROMPT, n=2, temperature=1.0, top_p=1.0, seed=seed, max_tokens=STOP_MAX_TOKENS,
+                             ignore_eos=True, stop=[stop], timeout=CALL_TIMEOUT_S)
+    first, second = result.completions
+    assert (first.index, first.finish_reason, first.text) == (0, FinishReason.LENGTH, references[0]["text"])
+    assert first.token_ids == references[0]["token_ids"]
+    assert (second.index, second.finish_reason, second.matched_stop_string) == (1, FinishReason.STOP, stop)
+    assert second.text == references[1]["text"][:offset]
+    assert second.token_ids == references[1]["token_ids"][: completing_index + 1]
+    after = wait_engine_idle(engine_stub)
+    # Completion 0 generates all STOP_MAX_TOKENS; completion 1 runs past its stop only until the tokenizer
+    # service's Abort naming (request, 1) lands. Without that abort the engine would generate 2 * STOP_MAX_TOKENS.
+    num_generated = after.num_generated_tokens - before.num_generated_tokens
+    assert STOP_MAX_TOKENS + completing_index < num_generated < 2 * STOP_MAX_TOKENS
+    assert after.num_finished_requests - before.num_finished_requests == 1
 
 
 @pytest.mark.parametrize("n", [0, 17])
