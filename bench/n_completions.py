@@ -1,12 +1,15 @@
-"""What sampling.n = 4 costs against four separate requests with the same prompt, offline, measured in one run.
+"""What sampling.n = 4 and best_of = 4 cost against four separate requests with the same prompt, offline, in one run.
 
     python bench/tiny_model.py /tmp/tiny && python bench/n_completions.py --model /tmp/tiny
+    python bench/n_completions.py --model embedded --prompt-lens 32 256 --tokens 16 --repeats 3
 
-For each prompt length, both configurations generate `--tokens` tokens per completion (ignore_eos, seeded so the
-work is the same): "n=4" is one request with n=4 (prompt prefilled once, siblings from the prefix cache), "4 reqs"
-is four requests each prefilling the prompt (each run gets a fresh scheduler, so no prefix cache is shared
-between runs or configurations). They alternate within each repeat and the medians are reported, with the
-engine's prompt-token counters of one run of each, so load from other processes hits both alike.
+For each prompt length, every configuration generates `--tokens` tokens for each of 4 completions (ignore_eos,
+seeded so the work is the same): "n=4" is one request with n=4 (prompt prefilled once, siblings from the prefix
+cache), "best_of=4" is one request with n=1 and best_of=4 (the same work, plus the sampled tokens' logprobs, the
+hold-back and the ranking; one completion returned), "4 reqs" is four requests each prefilling the prompt (each
+run gets a fresh scheduler, so no prefix cache is shared between runs or configurations). They alternate within
+each repeat and the medians are reported, with the engine's prompt-token counters of one run of each, so load
+from other processes hits all alike.
 """
 
 import argparse
@@ -20,15 +23,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from services.engine import LLM, SamplingParams  # noqa: E402
 
 N = 4
+CONFIGS = ("n=4", "best_of=4", "4 reqs")
 
 
-def _run(llm: LLM, prompt: list[int], tokens: int, together: bool) -> tuple[float, dict]:
+def _requests(config: str, prompt: list[int], tokens: int) -> tuple[list[list[int]], object]:
+    common = dict(temperature=1.0, max_tokens=tokens, ignore_eos=True)
+    if config == "n=4":
+        return [prompt], SamplingParams(seed=0, n=N, **common)
+    if config == "best_of=4":
+        return [prompt], SamplingParams(seed=0, n=1, best_of=N, **common)
+    return [prompt] * N, [SamplingParams(seed=i, **common) for i in range(N)]
+
+
+def _run(llm: LLM, prompt: list[int], tokens: int, config: str) -> tuple[float, dict]:
     fresh = llm.with_scheduler(enable_prefix_caching=True)  # an empty prefix cache for every run
-    if together:
-        prompts, params = [prompt], SamplingParams(temperature=1.0, seed=0, max_tokens=tokens, ignore_eos=True, n=N)
-    else:
-        prompts = [prompt] * N
-        params = [SamplingParams(temperature=1.0, seed=i, max_tokens=tokens, ignore_eos=True) for i in range(N)]
+    prompts, params = _requests(config, prompt, tokens)
     started = time.perf_counter()
     fresh.generate(prompts, params, use_tqdm=False)
     return time.perf_counter() - started, fresh.stats()
@@ -36,26 +45,30 @@ def _run(llm: LLM, prompt: list[int], tokens: int, together: bool) -> tuple[floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="checkpoint directory (bench/tiny_model.py writes one)")
+    parser.add_argument("--model", required=True,
+                        help="checkpoint directory (bench/tiny_model.py writes one), or 'embedded' for the default")
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[32, 256, 1024])
     parser.add_argument("--tokens", type=int, default=32, help="tokens per completion")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    llm = LLM(args.model, max_model_len=max(args.prompt_lens) + args.tokens + 16, num_kvcache_blocks=512)
-    print(f"{'prompt':>6} {'n=4 s':>8} {'4 reqs s':>9} {'ratio':>6}  prompt tokens computed/cached (n=4 | 4 reqs)")
+    model = None if args.model == "embedded" else args.model
+    llm = LLM(model, max_model_len=max(args.prompt_lens) + args.tokens + 16, num_kvcache_blocks=512)
+    print(f"{'prompt':>6} " + " ".join(f"{c + ' s':>11}" for c in CONFIGS)
+          + f" {'4 reqs/n=4':>10} {'best_of/n=4':>11}  prompt tokens computed/cached ({' | '.join(CONFIGS)})")
     for length in args.prompt_lens:
         prompt = [(7 * i + 11) % 400 + 5 for i in range(length)]
-        _run(llm, prompt, args.tokens, True)  # warm-up
-        times = {True: [], False: []}
+        _run(llm, prompt, args.tokens, "n=4")  # warm-up
+        times: dict[str, list[float]] = {c: [] for c in CONFIGS}
         stats = {}
         for _ in range(args.repeats):
-            for together in (True, False):
-                seconds, stats[together] = _run(llm, prompt, args.tokens, together)
-                times[together].append(seconds)
-        together, apart = statistics.median(times[True]), statistics.median(times[False])
-        counts = " | ".join(f"{stats[k]['num_computed_prompt_tokens']}/{stats[k]['num_cached_prompt_tokens']}"
-                            for k in (True, False))
-        print(f"{length:>6} {together:>8.3f} {apart:>9.3f} {apart / together:>5.2f}x  {counts}")
+            for config in CONFIGS:
+                seconds, stats[config] = _run(llm, prompt, args.tokens, config)
+                times[config].append(seconds)
+        medians = {c: statistics.median(times[c]) for c in CONFIGS}
+        counts = " | ".join(f"{stats[c]['num_computed_prompt_tokens']}/{stats[c]['num_cached_prompt_tokens']}"
+                            for c in CONFIGS)
+        print(f"{length:>6} " + " ".join(f"{medians[c]:>11.3f}" for c in CONFIGS)
+              + f" {medians['4 reqs'] / medians['n=4']:>9.2f}x {medians['best_of=4'] / medians['n=4']:>10.2f}x  {counts}")
 
 
 if __name__ == "__main__":
