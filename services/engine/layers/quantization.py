@@ -1,0 +1,87 @@
+"""Weight-only int8 on CPU (`--quantization int8`): torch's `_weight_int8pack_mm` for calls of few rows.
+
+Every projection (Linear and its parallel subclasses) and the LM head keep their fp32 weight and, with
+int8, an `Int8Weight` copy quantized per output row at load time. `linear()` is the one rule: a call with
+at most INT8_MAX_ROWS rows (decode steps of small batches, the LM head on a few sampled rows) runs the int8
+kernel, any larger call runs F.linear on the full-precision weight, where the int8 kernel loses.
+
+The kernel takes bf16 activations and bf16 scales (its fp32-activation path is ~12x slower than fp32
+F.linear on AVX2), so the input is cast to bf16 and the result back to the input's dtype.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.engine.config import QUANTIZATIONS
+
+# Most rows of one call that take the int8 kernel. bench/cpu_matmul.py --threads 1 on a 2-core AVX2 EPYC
+# (SmolLM2-135M shapes; int8 time as a speed-up over fp32 F.linear, same run):
+#   rows   qkv 576->960  o 576->576  gate/up 576->3072  down 1536->576  lm_head 576->49152
+#   1      1.18x         0.74x       1.54x              1.13x           1.80x
+#   4      1.99x         2.02x       2.81x              1.78x           3.41x
+#   8      1.33x         1.19x       1.84x              1.31x           1.36x
+#   16     1.12x         0.97x       1.31x              0.98x           1.03x
+#   64     0.59x         0.74x       0.76x              0.64x           0.57x
+# so int8 up to 8 rows (the gain at 16 is within noise, the loss at 64 is not).
+INT8_MAX_ROWS = 8
+
+
+def resolve_quantization(name: str, device: torch.device, tp_size: int) -> str:
+    """Validate `--quantization` for this device and tensor-parallel size; the name, unchanged."""
+    if name not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {name!r}; choose one of {', '.join(QUANTIZATIONS)}")
+    if name != "none" and device.type != "cpu":
+        raise ValueError(f"quantization {name!r} runs on CPU only (torch's CPU int8 kernel); "
+                         f"use --quantization none on {device}")
+    if name != "none" and tp_size > 1:
+        raise ValueError(f"quantization {name!r} is not supported with tensor_parallel_size {tp_size}; "
+                         "use --quantization none")
+    return name
+
+
+class Int8Weight:
+    """A weight [N, K] quantized per output row: int8 values [N, K] and bf16 scales [N], W ~ q * scale.
+
+    `calls` counts the products it computed (tests read it to tell which kernel ran)."""
+
+    def __init__(self, weight: torch.Tensor, max_rows: int = INT8_MAX_ROWS):
+        full = weight.detach().float()  # [N, K]
+        # The kernel multiplies by bf16 scales, so round them first and quantize against the rounded ones.
+        scales = (full.abs().amax(dim=1).clamp(min=1e-12) / 127.0).to(torch.bfloat16)  # [N]
+        self.qweight = (full / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+        self.scales = scales
+        self.max_rows = max_rows
+        self.calls = 0
+
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 weight [N, K] the int8 kernel multiplies by."""
+        return self.qweight.float() * self.scales.float()[:, None]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> x @ dequantized()^T [M, N], in x's dtype."""
+        self.calls += 1
+        return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scales).to(x.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           quantized: Int8Weight | None) -> torch.Tensor:
+    """F.linear(x [..., K], weight [N, K], bias) -> [..., N], by the int8 kernel when `quantized` is set and
+    x has at most quantized.max_rows rows, else by the full-precision weight."""
+    if quantized is None or x.numel() > quantized.max_rows * x.shape[-1]:
+        return F.linear(x, weight, bias)
+    y = quantized.matmul(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)  # [..., N]
+    return y if bias is None else y + bias
+
+
+def quantize_model(model: nn.Module, quantization: str) -> int:
+    """After loading: give every module with an `int8` slot (the linear layers, the LM head) its Int8Weight.
+    Returns how many modules were quantized (0 for "none")."""
+    if quantization == "none":
+        return 0
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "int8") and isinstance(getattr(module, "weight", None), torch.Tensor):
+            module.int8 = Int8Weight(module.weight)
+            count += 1
+    return count
