@@ -4,7 +4,7 @@ from dataclasses import dataclass, fields
 
 from services.engine.core.config import SchedulerConfig
 
-QUANTIZATIONS = ("none", "int8")  # EngineArgs.quantization's values
+QUANTIZATIONS = ("none", "int8", "gguf")  # EngineArgs.quantization's values
 
 
 @dataclass(slots=True)
@@ -19,7 +19,8 @@ class EngineArgs:
     tensor_parallel_size: shard the model over this many processes (GPUs; gloo processes on CPU), which
     rendezvous on 127.0.0.1:distributed_port (0: a free port chosen at launch, so several engines can share
     a host).
-    quantization: "none", or "int8" (CPU, tensor_parallel_size 1): weight-only int8 for calls of few rows
+    quantization: "none"; "int8" (CPU, tensor_parallel_size 1): weight-only int8 for calls of few rows; "gguf"
+    (the same, for a .gguf model): its Q4_1 projections 4-bit as stored, the rest int8
     (services/engine/layers/quantization.py).
     """
 

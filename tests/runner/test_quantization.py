@@ -87,6 +87,7 @@ def _parse(*argv: str) -> argparse.Namespace:
 def test_quantization_flag_parses_and_rejects_unknown_values(capsys):
     assert engine_args_from(_parse()).quantization == "none"
     assert engine_args_from(_parse("--quantization", "int8")).quantization == "int8"
+    assert engine_args_from(_parse("--quantization", "gguf")).quantization == "gguf"
     with pytest.raises(SystemExit):
         _parse("--quantization", "int4")
     assert "--quantization" in capsys.readouterr().err

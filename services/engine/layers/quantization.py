@@ -9,6 +9,7 @@ The kernel takes bf16 activations and bf16 scales (its fp32-activation path is ~
 F.linear on AVX2), so the input is cast to bf16 and the result back to the input's dtype.
 """
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,12 +28,15 @@ from services.engine.config import QUANTIZATIONS
 INT8_MAX_ROWS = 8
 
 
-def resolve_quantization(name: str, device: torch.device, tp_size: int) -> str:
-    """Validate `--quantization` for this device and tensor-parallel size; the name, unchanged."""
+def resolve_quantization(name: str, device: torch.device, tp_size: int, is_gguf: bool = True) -> str:
+    """Validate `--quantization` for this device, tensor-parallel size and checkpoint; the name, unchanged."""
     if name not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {name!r}; choose one of {', '.join(QUANTIZATIONS)}")
+    if name == "gguf" and not is_gguf:
+        raise ValueError("quantization 'gguf' needs a .gguf model (it keeps the file's Q4_1 tensors); "
+                         "use --quantization int8")
     if name != "none" and device.type != "cpu":
-        raise ValueError(f"quantization {name!r} runs on CPU only (torch's CPU int8 kernel); "
+        raise ValueError(f"quantization {name!r} runs on CPU only (torch's CPU int8/int4 kernels); "
                          f"use --quantization none on {device}")
     if name != "none" and tp_size > 1:
         raise ValueError(f"quantization {name!r} is not supported with tensor_parallel_size {tp_size}; "
@@ -64,8 +68,38 @@ class Int8Weight:
         return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scales).to(x.dtype)
 
 
+class Int4Weight:
+    """A weight [N, K] in groups of 32 along K, each with a scale and a zero: w = (q - 8) * scale + zero, q in
+    0..15, in torch's CPU int4 pack (GGUF Q4_1's w = d * q + m is scale = d, zero = m + 8d). Scales and zeros
+    are kept in bf16, the kernel's dtype with bf16 activations (fp32 ones run 0.02-0.4x fp32 F.linear).
+    Same interface as Int8Weight."""
+
+    GROUP = 32
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, max_rows: int = INT8_MAX_ROWS):
+        # q [N, K] in 0..15; d, m [N, K/32] (Q4_1's per-block scale and minimum)
+        self.in_features = q.shape[1]
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        scale_zeros = torch.stack([d.t(), (m + 8 * d).t()], dim=-1)  # [K/32, N, 2]
+        self.scale_zeros = scale_zeros.to(torch.bfloat16).contiguous()
+        self.max_rows = max_rows
+        self.calls = 0
+
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 weight [N, K] the int4 kernel multiplies by (one-hot rows pick each column out exactly)."""
+        eye = torch.eye(self.in_features)  # [K, K]
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        return mm(eye, self.packed, self.GROUP, self.scale_zeros.float()).t().contiguous()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> x @ dequantized()^T [M, N], in x's dtype."""
+        self.calls += 1
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        return mm(x.to(torch.bfloat16), self.packed, self.GROUP, self.scale_zeros).to(x.dtype)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           quantized: Int8Weight | None) -> torch.Tensor:
+           quantized: "Int8Weight | Int4Weight | None") -> torch.Tensor:
     """F.linear(x [..., K], weight [N, K], bias) -> [..., N], by the int8 kernel when `quantized` is set and
     x has at most quantized.max_rows rows, else by the full-precision weight."""
     if quantized is None or x.numel() > quantized.max_rows * x.shape[-1]:
@@ -74,14 +108,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return y if bias is None else y + bias
 
 
-def quantize_model(model: nn.Module, quantization: str) -> int:
-    """After loading: give every module with an `int8` slot (the linear layers, the LM head) its Int8Weight.
-    Returns how many modules were quantized (0 for "none")."""
+def quantize_model(model: nn.Module, quantization: str, q4_parts: dict | None = None) -> int:
+    """After loading: give every module with an `int8` slot (the linear layers, the LM head) its quantized copy.
+    With "gguf", `q4_parts` (loader.gguf_int4.gguf_q4_1_projections) holds the file's Q4_1 projections: those
+    modules get an Int4Weight from them, every other one an Int8Weight. Returns how many modules got a copy."""
     if quantization == "none":
         return 0
     count = 0
-    for module in model.modules():
-        if hasattr(module, "int8") and isinstance(getattr(module, "weight", None), torch.Tensor):
+    for name, module in model.named_modules():
+        if not hasattr(module, "int8") or not isinstance(getattr(module, "weight", None), torch.Tensor):
+            continue
+        shards = (q4_parts or {}).get(name, {})
+        if shards and len(shards) == len(getattr(module, "output_sizes", [None])):
+            q, d, m = (torch.from_numpy(np.concatenate([shards[i][j] for i in sorted(shards)])) for j in range(3))
+            module.int8 = Int4Weight(q, d, m)
+        else:
             module.int8 = Int8Weight(module.weight)
-            count += 1
+        count += 1
     return count

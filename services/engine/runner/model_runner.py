@@ -21,7 +21,7 @@ from services.engine.distributed import parallel_state as tp
 from services.engine.distributed.sharding import check_tensor_parallel
 from services.engine.layers.attention_backends.select import get_backend, supports_cuda_graphs
 from services.engine.layers.quantization import quantize_model, resolve_quantization
-from services.engine.loader import load_model_config, load_weights
+from services.engine.loader import gguf_file_of, load_model_config, load_weights, open_gguf
 from services.engine.models.registry import get_model_class
 from services.engine.runner.grammar import GrammarMasks
 from services.engine.runner.grammar_compiler import GrammarCompiler
@@ -166,10 +166,11 @@ class ModelRunner:
             tp.destroy_tensor_parallel()
 
     def _read_config(self, args: EngineArgs) -> None:
-        self.quantization = resolve_quantization(args.quantization, self.device, self.tp_size)
+        self.model_path = resolve_model_path(args.model)
+        self.quantization = resolve_quantization(args.quantization, self.device, self.tp_size,
+                                                 is_gguf=gguf_file_of(self.model_path) is not None)
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.block_size = args.kvcache_block_size
-        self.model_path = resolve_model_path(args.model)
         self.model_config = load_model_config(self.model_path)
         config = self.model_config
         check_tensor_parallel(config.num_attention_heads, config.num_key_value_heads, config.intermediate_size,
@@ -185,7 +186,12 @@ class ModelRunner:
             self.model = model_class(self.model_config, max_positions=self.max_model_len,
                                      backend=self.attention_backend)
         load_weights(self.model, self.model_path)
-        quantize_model(self.model, self.quantization)
+        q4_parts = None
+        if self.quantization == "gguf":
+            from services.engine.loader.gguf_int4 import gguf_q4_1_projections
+
+            q4_parts = gguf_q4_1_projections(open_gguf(gguf_file_of(self.model_path)), self.model_config)
+        quantize_model(self.model, self.quantization, q4_parts)
         self.model.eval()
 
     def _set_up_cache(self, use_graphs: bool) -> None:
