@@ -1,12 +1,14 @@
-"""Weight-only int8 on CPU (`--quantization int8`): torch's `_weight_int8pack_mm` for calls of few rows.
+"""Weight-only quantization on CPU for calls of few rows: `--quantization int8` (torch's `_weight_int8pack_mm`)
+and `--quantization gguf` (a GGUF's Q4_1 tensors in torch's int4 pack, `_weight_int4pack_mm_for_cpu`).
 
-Every projection (Linear and its parallel subclasses) and the LM head keep their fp32 weight and, with
-int8, an `Int8Weight` copy quantized per output row at load time. `linear()` is the one rule: a call with
-at most INT8_MAX_ROWS rows (decode steps of small batches, the LM head on a few sampled rows) runs the int8
-kernel, any larger call runs F.linear on the full-precision weight, where the int8 kernel loses.
+Every projection (Linear and its parallel subclasses) and the LM head keep their full-precision weight and
+get a quantized copy at load time (`int8` attribute: an Int8Weight quantized per output row, or with gguf an
+Int4Weight from the file's bytes where the file stores the tensor as Q4_1). `linear()` is the one rule: a
+call with at most INT8_MAX_ROWS rows (decode steps of small batches, the LM head on a few sampled rows) runs
+the quantized kernel, any larger call runs F.linear on the full-precision weight, where the kernels lose.
 
-The kernel takes bf16 activations and bf16 scales (its fp32-activation path is ~12x slower than fp32
-F.linear on AVX2), so the input is cast to bf16 and the result back to the input's dtype.
+Both kernels run on bf16 activations with bf16 scales (their fp32-activation paths are 2.5-50x slower than
+fp32 F.linear on AVX2), so the input is cast to bf16 and the result back to the input's dtype.
 """
 
 import numpy as np
@@ -16,7 +18,7 @@ from torch import nn
 
 from services.engine.config import QUANTIZATIONS
 
-# Most rows of one call that take the int8 kernel. bench/cpu_matmul.py --threads 1 on a 2-core AVX2 EPYC
+# Most rows of one call that take the quantized kernel (int8 or int4). bench/cpu_matmul.py --threads 1 on a 2-core AVX2 EPYC
 # (SmolLM2-135M shapes; int8 time as a speed-up over fp32 F.linear, same run):
 #   rows   qkv 576->960  o 576->576  gate/up 576->3072  down 1536->576  lm_head 576->49152
 #   1      1.18x         0.74x       1.54x              1.13x           1.80x
@@ -24,7 +26,10 @@ from services.engine.config import QUANTIZATIONS
 #   8      1.33x         1.19x       1.84x              1.31x           1.36x
 #   16     1.12x         0.97x       1.31x              0.98x           1.03x
 #   64     0.59x         0.74x       0.76x              0.64x           0.57x
-# so int8 up to 8 rows (the gain at 16 is within noise, the loss at 64 is not).
+# int4 group-32 (bf16 activations), same run: 1 row 1.05x 0.67x 2.67x 0.81x 3.44x; 8 rows 1.18x 1.11x 2.68x
+# 1.29x 1.94x; 16 rows 1.10x 0.98x 1.30x 0.90x 1.71x; 64 rows 0.54x 0.71x 0.78x 0.51x 1.08x.
+# So both up to 8 rows (the gain at 16 is within noise, the loss at 64 is not). End to end, batch-1 decode
+# (bench/decode_latency.py, 1 thread): fp32 107.8 ms/token, int8 73.7, gguf 56.1.
 INT8_MAX_ROWS = 8
 
 

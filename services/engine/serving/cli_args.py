@@ -18,7 +18,8 @@ _HELP = {
     "enable_prefix_caching": "reuse KV blocks of shared prefixes",
     "device": "auto, cpu or cuda[:N]",
     "dtype": "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16",
-    "quantization": "none, or int8: weight-only int8 matmuls for steps of at most 8 rows (CPU only)",
+    "quantization": "none; int8: weight-only int8 matmuls for calls of at most 8 rows; gguf: the same with a .gguf "
+                    "model's Q4_1 tensors kept 4-bit (CPU only)",
     "attention_backend": "auto (flash-attn, else triton on GPU; torch on CPU), torch, triton or flash-attn",
     "enforce_eager": "disable CUDA graphs for decode",
     "gpu_memory_utilization": "fraction of GPU memory the engine may use",
