@@ -18,8 +18,8 @@ from torch import nn
 
 from services.engine.config import QUANTIZATIONS
 
-# Most rows of one call that take the quantized kernel (int8 or int4). bench/cpu_matmul.py --threads 1 on a 2-core AVX2 EPYC
-# (SmolLM2-135M shapes; int8 time as a speed-up over fp32 F.linear, same run):
+# Most rows of one call that take the quantized kernel (int8 or int4). bench/cpu_matmul.py --threads 1 on a
+# 2-core AVX2 EPYC (SmolLM2-135M shapes; int8 time as a speed-up over fp32 F.linear, same run):
 #   rows   qkv 576->960  o 576->576  gate/up 576->3072  down 1536->576  lm_head 576->49152
 #   1      1.18x         0.74x       1.54x              1.13x           1.80x
 #   4      1.99x         2.02x       2.81x              1.78x           3.41x
