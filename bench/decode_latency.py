@@ -2,10 +2,14 @@
 
     python bench/decode_latency.py --prompt-len 128 --new-tokens 128
     python bench/decode_latency.py --dtypes float32,bfloat16      # each dtype of ours, one transformers baseline
-Time per output token excludes the prefill (measured as the time to the first token and subtracted).
+    OMP_NUM_THREADS=2 python bench/decode_latency.py --quantizations none,int8 --new-tokens 64 --repeats 3
+Time per output token excludes the prefill (measured as the time to the first token and subtracted). Every
+configuration (each dtype x quantization of ours, and transformers) is loaded first, then the repeats
+alternate between them so that noise from other processes lands on all alike; the median is printed.
 """
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -55,24 +59,31 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtypes", default=None,
                         help="comma-separated dtypes to measure llmserve with, one after the other (default: --dtype)")
+    parser.add_argument("--quantizations", default=None,
+                        help="comma-separated quantizations to measure with each dtype (default: --quantization)")
     add_engine_args(parser)
     args = parser.parse_args()
     engine_args = engine_args_from(args)
     kwargs = {name: getattr(engine_args, name) for name in engine_args.field_names()}
     prompt = [(7 * i + 11) % 5000 + 10 for i in range(args.prompt_len)]
-    rows = []
+    runs = {}
     for dtype in (args.dtypes.split(",") if args.dtypes else [kwargs["dtype"]]):
-        llm = LLM(**(kwargs | {"dtype": dtype}))
-        ours = min(ours_decode_ms(llm, prompt, args.new_tokens) for _ in range(args.repeats))
-        rows.append((f"llmserve {dtype} ({llm.runner.dtype})", ours))
-        device = str(llm.runner.device)
-        del llm
+        for quantization in (args.quantizations.split(",") if args.quantizations else [kwargs["quantization"]]):
+            llm = LLM(**(kwargs | {"dtype": dtype, "quantization": quantization}))
+            name = f"llmserve {dtype} ({llm.runner.dtype}), quantization {quantization}"
+            runs[name] = (lambda llm=llm: ours_decode_ms(llm, prompt, args.new_tokens))
+            device = str(llm.runner.device)
     model, _ = load_hf_model(args.model, device)
-    theirs = min(hf_decode_ms(model, prompt, args.new_tokens) for _ in range(args.repeats))
-    for name, ms in rows:
-        print(f"{name} batch-1 decode: {ms:.2f} ms/token ({1e3 / ms:.1f} tok/s), "
-              f"{theirs / ms:.2f}x transformers' speed")
-    print(f"transformers fp32 batch-1 decode: {theirs:.2f} ms/token ({1e3 / theirs:.1f} tok/s)")
+    runs["transformers fp32"] = lambda: hf_decode_ms(model, prompt, args.new_tokens)
+    times = {name: [] for name in runs}
+    for _ in range(args.repeats):
+        for name, run in runs.items():
+            times[name].append(run())
+    theirs = statistics.median(times["transformers fp32"])
+    for name, samples in times.items():
+        ms = statistics.median(samples)
+        print(f"{name} batch-1 decode: {ms:.2f} ms/token ({1e3 / ms:.1f} tok/s), {theirs / ms:.2f}x transformers' "
+              f"speed (median of {len(samples)}; each: {', '.join(f'{t:.2f}' for t in samples)})")
 
 
 if __name__ == "__main__":

@@ -117,7 +117,7 @@ def main() -> None:
     args = parser.parse_args()
 
     llm = LLM(**_engine_kwargs(args))
-    print(f"llmserve dtype {llm.runner.dtype}, transformers fp32")
+    print(f"llmserve dtype {llm.runner.dtype}, quantization {llm.runner.quantization}, transformers fp32")
     if args.shapes:
         run_shapes(args, llm, list(SHAPES) if args.shapes == "all" else args.shapes.split(","))
         return

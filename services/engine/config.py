@@ -4,6 +4,8 @@ from dataclasses import dataclass, fields
 
 from services.engine.core.config import SchedulerConfig
 
+QUANTIZATIONS = ("none", "int8", "gguf")  # EngineArgs.quantization's values
+
 
 @dataclass(slots=True)
 class EngineArgs:
@@ -17,6 +19,9 @@ class EngineArgs:
     tensor_parallel_size: shard the model over this many processes (GPUs; gloo processes on CPU), which
     rendezvous on 127.0.0.1:distributed_port (0: a free port chosen at launch, so several engines can share
     a host).
+    quantization: "none"; "int8" (CPU, tensor_parallel_size 1): weight-only int8 for calls of few rows; "gguf"
+    (the same, for a .gguf model): its Q4_1 projections 4-bit as stored, the rest int8
+    (services/engine/layers/quantization.py).
     """
 
     model: str | None = None
@@ -29,6 +34,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     device: str = "auto"
     dtype: str = "auto"
+    quantization: str = "none"
     attention_backend: str = "auto"
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.9

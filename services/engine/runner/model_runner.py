@@ -20,7 +20,8 @@ from services.common.default_model import resolve_model_path
 from services.engine.distributed import parallel_state as tp
 from services.engine.distributed.sharding import check_tensor_parallel
 from services.engine.layers.attention_backends.select import get_backend, supports_cuda_graphs
-from services.engine.loader import load_model_config, load_weights
+from services.engine.layers.quantization import quantize_model, resolve_quantization
+from services.engine.loader import gguf_file_of, load_model_config, load_weights, open_gguf
 from services.engine.models.registry import get_model_class
 from services.engine.runner.grammar import GrammarMasks
 from services.engine.runner.grammar_compiler import GrammarCompiler
@@ -131,8 +132,9 @@ class ModelRunner:
         except BaseException:
             self._abandon_workers()
             raise
-        logger.info("model %s (%s) on %s/%s, attention %s, %d KV blocks of %d tokens, CUDA graphs %s%s",
-                    self.model_path, self.model_config.architecture, self.device, self.dtype,
+        logger.info("model %s (%s) on %s/%s, quantization %s, attention %s, %d KV blocks of %d tokens, "
+                    "CUDA graphs %s%s",
+                    self.model_path, self.model_config.architecture, self.device, self.dtype, self.quantization,
                     self.attention_backend.name, self.num_kvcache_blocks, self.block_size,
                     "on" if self.graphs else "off", f", TP rank {rank} of {self.tp_size}" if self.tp_size > 1 else "")
 
@@ -164,9 +166,11 @@ class ModelRunner:
             tp.destroy_tensor_parallel()
 
     def _read_config(self, args: EngineArgs) -> None:
+        self.model_path = resolve_model_path(args.model)
+        self.quantization = resolve_quantization(args.quantization, self.device, self.tp_size,
+                                                 is_gguf=gguf_file_of(self.model_path) is not None)
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.block_size = args.kvcache_block_size
-        self.model_path = resolve_model_path(args.model)
         self.model_config = load_model_config(self.model_path)
         config = self.model_config
         check_tensor_parallel(config.num_attention_heads, config.num_key_value_heads, config.intermediate_size,
@@ -182,6 +186,12 @@ class ModelRunner:
             self.model = model_class(self.model_config, max_positions=self.max_model_len,
                                      backend=self.attention_backend)
         load_weights(self.model, self.model_path)
+        q4_parts = None
+        if self.quantization == "gguf":
+            from services.engine.loader.gguf_int4 import gguf_q4_1_projections
+
+            q4_parts = gguf_q4_1_projections(open_gguf(gguf_file_of(self.model_path)), self.model_config)
+        quantize_model(self.model, self.quantization, q4_parts)
         self.model.eval()
 
     def _set_up_cache(self, use_graphs: bool) -> None:
@@ -208,8 +218,8 @@ class ModelRunner:
             self.graphs = self._capture_cuda_graphs()
 
     def _share_model(self, other: "ModelRunner") -> None:
-        for name in ("device", "dtype", "block_size", "model_path", "model_config", "max_model_len", "vocab_size",
-                     "eos_token_ids", "attention_backend", "model"):
+        for name in ("device", "dtype", "quantization", "block_size", "model_path", "model_config", "max_model_len",
+                     "vocab_size", "eos_token_ids", "attention_backend", "model"):
             setattr(self, name, getattr(other, name))
 
     def _resolve_max_model_len(self, requested: int | None) -> int:

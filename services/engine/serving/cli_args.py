@@ -5,7 +5,7 @@ import dataclasses
 import types
 import typing
 
-from services.engine.config import EngineArgs
+from services.engine.config import QUANTIZATIONS, EngineArgs
 
 _HELP = {
     "model": "HF checkpoint directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
@@ -18,6 +18,8 @@ _HELP = {
     "enable_prefix_caching": "reuse KV blocks of shared prefixes",
     "device": "auto, cpu or cuda[:N]",
     "dtype": "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16",
+    "quantization": "none; int8: weight-only int8 matmuls for calls of at most 8 rows; gguf: the same with a .gguf "
+                    "model's Q4_1 tensors kept 4-bit (CPU only)",
     "attention_backend": "auto (flash-attn, else triton on GPU; torch on CPU), torch, triton or flash-attn",
     "enforce_eager": "disable CUDA graphs for decode",
     "gpu_memory_utilization": "fraction of GPU memory the engine may use",
@@ -26,6 +28,7 @@ _HELP = {
     "max_waiting": "most requests waiting to be admitted, preempted ones not counted; past it RESOURCE_EXHAUSTED (0 = unbounded)",
     "seed": "seed of unseeded sampling",
 }
+_CHOICES = {"quantization": QUANTIZATIONS}
 
 
 def _base_type(annotation) -> type:
@@ -46,7 +49,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
         else:
-            group.add_argument(flag, type=kind, default=field.default, help=help_text)
+            group.add_argument(flag, type=kind, default=field.default, choices=_CHOICES.get(field.name),
+                               help=help_text)
     return parser
 
 
