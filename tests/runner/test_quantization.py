@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from services.engine import LLM
 from services.engine.layers.linear import Linear, RowParallelLinear
-from services.engine.layers.quantization import INT8_MAX_ROWS, Int8Weight, linear, quantize_model, resolve_quantization
+from services.engine.layers.quantization import INT8_MAX_ROWS, Int8Weight, linear, quantize_model
+from services.engine.runner.quantization_choice import resolve_quantization
 from services.engine.serving.cli_args import add_engine_args, engine_args_from
 
 K, N = 96, 40

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.config import QUANTIZATIONS
 
 # Most rows of one call that take the quantized kernel (int8 or int4). bench/cpu_matmul.py --threads 1 on a
 # 2-core AVX2 EPYC (SmolLM2-135M shapes; int8 time as a speed-up over fp32 F.linear, same run):
@@ -31,22 +30,6 @@ from services.engine.config import QUANTIZATIONS
 # So both up to 8 rows (the gain at 16 is within noise, the loss at 64 is not). End to end, batch-1 decode
 # (bench/decode_latency.py, 1 thread): fp32 107.8 ms/token, int8 73.7, gguf 56.1.
 INT8_MAX_ROWS = 8
-
-
-def resolve_quantization(name: str, device: torch.device, tp_size: int, is_gguf: bool = True) -> str:
-    """Validate `--quantization` for this device, tensor-parallel size and checkpoint; the name, unchanged."""
-    if name not in QUANTIZATIONS:
-        raise ValueError(f"unknown quantization {name!r}; choose one of {', '.join(QUANTIZATIONS)}")
-    if name == "gguf" and not is_gguf:
-        raise ValueError("quantization 'gguf' needs a .gguf model (it keeps the file's Q4_1 tensors); "
-                         "use --quantization int8")
-    if name != "none" and device.type != "cpu":
-        raise ValueError(f"quantization {name!r} runs on CPU only (torch's CPU int8/int4 kernels); "
-                         f"use --quantization none on {device}")
-    if name != "none" and tp_size > 1:
-        raise ValueError(f"quantization {name!r} is not supported with tensor_parallel_size {tp_size}; "
-                         "use --quantization none")
-    return name
 
 
 class Int8Weight:

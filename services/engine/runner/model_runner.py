@@ -20,7 +20,7 @@ from services.common.default_model import resolve_model_path
 from services.engine.distributed import parallel_state as tp
 from services.engine.distributed.sharding import check_tensor_parallel
 from services.engine.layers.attention_backends.select import get_backend, supports_cuda_graphs
-from services.engine.layers.quantization import quantize_model, resolve_quantization
+from services.engine.layers.quantization import quantize_model
 from services.engine.loader import gguf_file_of, load_model_config, load_weights, open_gguf
 from services.engine.models.registry import get_model_class
 from services.engine.runner.grammar import GrammarMasks
@@ -28,6 +28,7 @@ from services.engine.runner.grammar_compiler import GrammarCompiler
 from services.engine.runner.cuda_graphs import DecodeGraphBuffers, DecodeGraphs, graph_batch_sizes
 from services.engine.runner.inputs import StepInputBuilder, StepInputs, cacheless_prefill, to_model_inputs
 from services.engine.runner.prompt_logprobs import compute_prompt_logprobs
+from services.engine.runner.quantization_choice import resolve_quantization
 from services.engine.runner.kv_cache import allocate_kv_cache, bind_kv_cache, size_kv_cache, unbound_kv_cache
 from services.engine.runner.sampling_step import StepSampler
 
