@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from services.engine import LLM, SamplingParams
-from services.engine.layers.quantization import INT8_MAX_ROWS, Int4Weight, Int8Weight, linear
+from services.engine.layers.quantization import QUANTIZED_MAX_ROWS, Int4Weight, Int8Weight, linear
 from services.engine.loader import open_gguf
 from services.engine.loader.gguf_int4 import q4_1_parts
 from tests.models.test_int8_agreement import NEAR_TIE_NATS, _first_difference
@@ -47,10 +47,10 @@ def test_int4_weight_multiplies_by_the_files_weights(default_model_path):
     zero = (m + 8 * d).bfloat16().float().repeat_interleave(32, dim=1)
     torch.testing.assert_close(int4.dequantized(), (q.float() - 8) * scale + zero, rtol=0, atol=1e-6)
     full = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type))  # [N, K]
-    x = torch.randn(INT8_MAX_ROWS, cols, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(QUANTIZED_MAX_ROWS, cols, generator=torch.Generator().manual_seed(0))
     expected = (x.bfloat16().float() @ int4.dequantized().T).bfloat16().float()
     torch.testing.assert_close(linear(x, full, None, int4), expected, rtol=2 ** -7, atol=1e-5)
-    over = torch.randn(INT8_MAX_ROWS + 1, cols)
+    over = torch.randn(QUANTIZED_MAX_ROWS + 1, cols)
     assert torch.equal(linear(over, full, None, int4), torch.nn.functional.linear(over, full))
     assert int4.calls == 1
 
@@ -65,7 +65,7 @@ def test_gguf_needs_a_gguf_model(tmp_path):
 def test_gguf_greedy_agrees_with_fp32_except_at_near_ties(default_llm, default_prompt_ids):
     gguf_llm = LLM(num_kvcache_blocks=256, kvcache_block_size=16, dtype="float32", quantization="gguf",
                    max_num_seqs=1)  # one prompt at a time: every decode step runs the quantized kernels
-    copies = {name: m.int8 for name, m in gguf_llm.runner.model.named_modules() if getattr(m, "int8", None)}
+    copies = {name: m.quantized for name, m in gguf_llm.runner.model.named_modules() if getattr(m, "quantized", None)}
     assert isinstance(copies.pop("lm_head"), Int8Weight)
     layers = gguf_llm.runner.model_config.num_hidden_layers
     assert len(copies) == 4 * layers and all(isinstance(q, Int4Weight) for q in copies.values())

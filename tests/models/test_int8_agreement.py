@@ -11,7 +11,7 @@ mis-sliced weight) turns the output into noise, and it parts from fp32 where fp3
 import pytest
 
 from services.engine import LLM, SamplingParams
-from services.engine.layers.quantization import INT8_MAX_ROWS, Int8Weight
+from services.engine.layers.quantization import QUANTIZED_MAX_ROWS, Int8Weight
 from tests.models.test_tiny_checkpoints import CASES, build_checkpoint
 
 NEAR_TIE_NATS = 0.5  # about 2x the largest fp32 margin at which an int8 swap was seen (0.257)
@@ -19,8 +19,8 @@ MAX_TOKENS = 32
 
 
 def _int8_copies(llm: LLM) -> dict[str, Int8Weight]:
-    return {name: module.int8 for name, module in llm.runner.model.named_modules()
-            if getattr(module, "int8", None) is not None}
+    return {name: module.quantized for name, module in llm.runner.model.named_modules()
+            if getattr(module, "quantized", None) is not None}
 
 
 @pytest.mark.parametrize("case", ["llama", "qwen3-tied"])
@@ -36,7 +36,7 @@ def test_every_projection_and_the_lm_head_decode_through_int8(case, tmp_path):
     llm.generate([list(range(3, 23))], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
                  use_tqdm=False)
     assert {name: q.calls for name, q in copies.items()} == {name: 4 if name != "lm_head" else 5 for name in copies}
-    assert 20 > INT8_MAX_ROWS
+    assert 20 > QUANTIZED_MAX_ROWS
 
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:

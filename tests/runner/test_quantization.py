@@ -1,5 +1,5 @@
 """Weight-only int8 (services/engine/layers/quantization.py): the kernel computes x @ dequant(Wq)^T, the
-cut-over between the int8 and the full-precision weight sits exactly at INT8_MAX_ROWS, and the flag is
+cut-over between the int8 and the full-precision weight sits exactly at QUANTIZED_MAX_ROWS, and the flag is
 parsed, validated and refused where the kernel does not run (CUDA, tensor parallelism)."""
 
 import argparse
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from services.engine import LLM
 from services.engine.layers.linear import Linear, RowParallelLinear
-from services.engine.layers.quantization import INT8_MAX_ROWS, Int8Weight, linear, quantize_model
+from services.engine.layers.quantization import QUANTIZED_MAX_ROWS, Int8Weight, linear, quantize_model
 from services.engine.runner.quantization_choice import resolve_quantization
 from services.engine.serving.cli_args import add_engine_args, engine_args_from
 
@@ -53,20 +53,20 @@ def test_int8_linear_is_x_times_dequantized_weight_transposed(weight):
 
 def test_cut_over_rows_use_int8_one_more_uses_the_full_weight(weight):
     q = Int8Weight(weight)
-    at = _rows(INT8_MAX_ROWS)
+    at = _rows(QUANTIZED_MAX_ROWS)
     torch.testing.assert_close(linear(at, weight, None, q), _int8_product(at, q), rtol=2 ** -7, atol=1e-6)
     assert q.calls == 1
-    over = _rows(INT8_MAX_ROWS + 1)
+    over = _rows(QUANTIZED_MAX_ROWS + 1)
     assert torch.equal(linear(over, weight, None, q), F.linear(over, weight))
     assert q.calls == 1
 
 
 def test_rows_are_counted_over_every_leading_dim(weight):
     q = Int8Weight(weight)
-    linear(_rows(INT8_MAX_ROWS // 2, 2), weight, None, q)  # [2, 4, K]: 8 rows
+    linear(_rows(QUANTIZED_MAX_ROWS // 2, 2), weight, None, q)  # [2, 4, K]: 8 rows
     assert q.calls == 1
-    y = linear(_rows(INT8_MAX_ROWS // 2 + 1, 2), weight, None, q)  # 10 rows
-    assert q.calls == 1 and y.shape == (2, INT8_MAX_ROWS // 2 + 1, N)
+    y = linear(_rows(QUANTIZED_MAX_ROWS // 2 + 1, 2), weight, None, q)  # 10 rows
+    assert q.calls == 1 and y.shape == (2, QUANTIZED_MAX_ROWS // 2 + 1, N)
 
 
 def test_linear_modules_route_through_their_int8_copy(weight):
@@ -76,8 +76,8 @@ def test_linear_modules_route_through_their_int8_copy(weight):
         assert torch.equal(module(x), F.linear(x, weight))  # no copy: the full weight
         assert quantize_model(module, "int8") == 1
         y = module(x)
-        assert module.int8.calls == 1
-        torch.testing.assert_close(y, _int8_product(x, module.int8), rtol=2 ** -7, atol=1e-6)
+        assert module.quantized.calls == 1
+        torch.testing.assert_close(y, _int8_product(x, module.quantized), rtol=2 ** -7, atol=1e-6)
     assert quantize_model(Linear(K, N), "none") == 0
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from services.engine.distributed.parallel_state import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
 from services.engine.distributed.sharding import vocab_shard
 from services.engine.layers.linear import copy_weight
-from services.engine.layers.quantization import Int8Weight, linear
+from services.engine.layers.quantization import QuantizedWeight, linear
 
 
 class VocabEmbedding(nn.Module):
@@ -44,7 +44,7 @@ class VocabEmbedding(nn.Module):
 
 class LMHead(nn.Module):
     """hidden [B, hidden] -> logits [B, vocab]. With `tied_to`, reuses that embedding's weight (same shard).
-    `int8`: as Linear's (the embedding lookup keeps the full-precision weight)."""
+    `quantized`: as Linear's (the embedding lookup keeps the full-precision weight)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None):
         super().__init__()
@@ -58,10 +58,10 @@ class LMHead(nn.Module):
             self.shard = vocab_shard(vocab_size, get_tp_rank(), self.tp_size)
             rows = self.shard.padded_size if self.tp_size > 1 else vocab_size
             self.weight = nn.Parameter(torch.zeros(rows, hidden_size), requires_grad=False)
-        self.int8: Int8Weight | None = None
+        self.quantized: QuantizedWeight | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight, None, self.int8)  # [B, V / tp (padded)]
+        logits = linear(hidden, self.weight, None, self.quantized)  # [B, V / tp (padded)]
         if self.tp_size == 1:
             return logits
         return all_gather_last_dim(logits)[:, :self.vocab_size]

@@ -11,7 +11,7 @@ from torch import nn
 
 from services.engine.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_size
 from services.engine.distributed.sharding import even_shard, head_shard
-from services.engine.layers.quantization import Int8Weight, linear
+from services.engine.layers.quantization import QuantizedWeight, linear
 
 
 def copy_weight(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
@@ -24,7 +24,7 @@ def copy_weight(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
 class Linear(nn.Module):
     """y = x W^T (+ b), W [out_features, in_features], replicated on every rank. Inference only.
 
-    `int8`: the weight's int8 copy under `--quantization int8` (set after loading), used for calls of few
+    `quantized`: the weight's int8/int4 copy under `--quantization` (set after loading), used for calls of few
     rows (layers.quantization.linear)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -33,10 +33,10 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.int8: Int8Weight | None = None
+        self.quantized: QuantizedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.int8)
+        return linear(x, self.weight, self.bias, self.quantized)
 
     @torch.no_grad()
     def load_param(self, leaf: str, tensor: torch.Tensor, name: str) -> None:
@@ -111,7 +111,7 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias, self.int8)
+            return linear(x, self.weight, self.bias, self.quantized)
         y = all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 

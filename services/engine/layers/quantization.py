@@ -2,9 +2,9 @@
 and `--quantization gguf` (a GGUF's Q4_1 tensors in torch's int4 pack, `_weight_int4pack_mm_for_cpu`).
 
 Every projection (Linear and its parallel subclasses) and the LM head keep their full-precision weight and
-get a quantized copy at load time (`int8` attribute: an Int8Weight quantized per output row, or with gguf an
+get a quantized copy at load time (`quantized` attribute: an Int8Weight quantized per output row, or with gguf an
 Int4Weight from the file's bytes where the file stores the tensor as Q4_1). `linear()` is the one rule: a
-call with at most INT8_MAX_ROWS rows (decode steps of small batches, the LM head on a few sampled rows) runs
+call with at most QUANTIZED_MAX_ROWS rows (decode steps of small batches, the LM head on a few sampled rows) runs
 the quantized kernel, any larger call runs F.linear on the full-precision weight, where the kernels lose.
 
 Both kernels run on bf16 activations with bf16 scales (their fp32-activation paths are 2.5-50x slower than
@@ -29,7 +29,7 @@ from torch import nn
 # 1.29x 1.94x; 16 rows 1.10x 0.98x 1.30x 0.90x 1.71x; 64 rows 0.54x 0.71x 0.78x 0.51x 1.08x.
 # So both up to 8 rows (the gain at 16 is within noise, the loss at 64 is not). End to end, batch-1 decode
 # (bench/decode_latency.py, 1 thread): fp32 107.8 ms/token, int8 73.7, gguf 56.1.
-INT8_MAX_ROWS = 8
+QUANTIZED_MAX_ROWS = 8
 
 
 class Int8Weight:
@@ -37,13 +37,12 @@ class Int8Weight:
 
     `calls` counts the products it computed (tests read it to tell which kernel ran)."""
 
-    def __init__(self, weight: torch.Tensor, max_rows: int = INT8_MAX_ROWS):
+    def __init__(self, weight: torch.Tensor):
         full = weight.detach().float()  # [N, K]
         # The kernel multiplies by bf16 scales, so round them first and quantize against the rounded ones.
         scales = (full.abs().amax(dim=1).clamp(min=1e-12) / 127.0).to(torch.bfloat16)  # [N]
         self.qweight = (full / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
         self.scales = scales
-        self.max_rows = max_rows
         self.calls = 0
 
     def dequantized(self) -> torch.Tensor:
@@ -64,13 +63,12 @@ class Int4Weight:
 
     GROUP = 32
 
-    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, max_rows: int = INT8_MAX_ROWS):
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
         # q [N, K] in 0..15; d, m [N, K/32] (Q4_1's per-block scale and minimum)
         self.in_features = q.shape[1]
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         scale_zeros = torch.stack([d.t(), (m + 8 * d).t()], dim=-1)  # [K/32, N, 2]
         self.scale_zeros = scale_zeros.to(torch.bfloat16).contiguous()
-        self.max_rows = max_rows
         self.calls = 0
 
     def dequantized(self) -> torch.Tensor:
@@ -86,31 +84,34 @@ class Int4Weight:
         return mm(x.to(torch.bfloat16), self.packed, self.GROUP, self.scale_zeros).to(x.dtype)
 
 
+QuantizedWeight = Int8Weight | Int4Weight
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           quantized: "Int8Weight | Int4Weight | None") -> torch.Tensor:
-    """F.linear(x [..., K], weight [N, K], bias) -> [..., N], by the int8 kernel when `quantized` is set and
-    x has at most quantized.max_rows rows, else by the full-precision weight."""
-    if quantized is None or x.numel() > quantized.max_rows * x.shape[-1]:
+           quantized: QuantizedWeight | None) -> torch.Tensor:
+    """F.linear(x [..., K], weight [N, K], bias) -> [..., N], by the quantized copy's kernel when `quantized` is set and
+    x has at most QUANTIZED_MAX_ROWS rows, else by the full-precision weight."""
+    if quantized is None or x.numel() > QUANTIZED_MAX_ROWS * x.shape[-1]:
         return F.linear(x, weight, bias)
     y = quantized.matmul(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)  # [..., N]
     return y if bias is None else y + bias
 
 
 def quantize_model(model: nn.Module, quantization: str, q4_parts: dict | None = None) -> int:
-    """After loading: give every module with an `int8` slot (the linear layers, the LM head) its quantized copy.
+    """After loading: give every module with a `quantized` slot (the linear layers, the LM head) its quantized copy.
     With "gguf", `q4_parts` (loader.gguf_int4.gguf_q4_1_projections) holds the file's Q4_1 projections: those
     modules get an Int4Weight from them, every other one an Int8Weight. Returns how many modules got a copy."""
     if quantization == "none":
         return 0
     count = 0
     for name, module in model.named_modules():
-        if not hasattr(module, "int8") or not isinstance(getattr(module, "weight", None), torch.Tensor):
+        if not hasattr(module, "quantized") or not isinstance(getattr(module, "weight", None), torch.Tensor):
             continue
         shards = (q4_parts or {}).get(name, {})
         if shards and len(shards) == len(getattr(module, "output_sizes", [None])):
             q, d, m = (torch.from_numpy(np.concatenate([shards[i][j] for i in sorted(shards)])) for j in range(3))
-            module.int8 = Int4Weight(q, d, m)
+            module.quantized = Int4Weight(q, d, m)
         else:
-            module.int8 = Int8Weight(module.weight)
+            module.quantized = Int8Weight(module.weight)
         count += 1
     return count

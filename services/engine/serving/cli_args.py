@@ -17,7 +17,7 @@ _HELP = {
     "kv_cache_memory_bytes": "KV-cache size in bytes",
     "enable_prefix_caching": "reuse KV blocks of shared prefixes",
     "device": "auto, cpu or cuda[:N]",
-    "dtype": "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16",
+    "dtype": "auto (bf16 on GPU and on CPUs with AMX or AVX512-BF16, else fp32), float32, bfloat16 or float16",
     "quantization": "none; int8: weight-only int8 matmuls for calls of at most 8 rows; gguf: the same with a .gguf "
                     "model's Q4_1 tensors kept 4-bit (CPU only)",
     "attention_backend": "auto (flash-attn, else triton on GPU; torch on CPU), torch, triton or flash-attn",
