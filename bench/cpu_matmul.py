@@ -18,9 +18,15 @@ fp32 activations in, the cast to the kernel's activation dtype and back included
 """
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.engine.layers.quantization import Int4Weight, Int8Weight  # noqa: E402
 
 LAYERS = {"qkv 576->960": (576, 960), "o_proj 576->576": (576, 576), "mlp gate/up 576->3072": (576, 3072),
           "mlp down 1536->576": (1536, 576), "lm_head 576->49152": (576, 49152)}
@@ -40,37 +46,31 @@ def _time_ms(fns: dict, repeats: int) -> dict[str, float]:
     return {name: seconds * 1e3 for name, seconds in best.items()}
 
 
-def _int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-output-channel symmetric int8 of weight [N, K]: (int8 [N, K], scales [N])."""
-    scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
-    return (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8), scales
-
-
-def _int4_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Asymmetric group-32 int4 of weight [N, K] (as Q4_1 stores it): (packed, scales_and_zeros [K/32, N, 2])."""
+def _q4_1_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group-32 asymmetric 4-bit of weight [N, K] as Q4_1 stores it: q [N, K] in 0..15, d and m [N, K/32],
+    w ~ d * q + m (what loader.gguf_int4 reads from a file's bytes)."""
     n, k = weight.shape
     groups = weight.view(n, k // GROUP, GROUP)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [N, K/32]
     scale = ((high - low) / 15).clamp(min=1e-8)
-    q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    return packed, torch.stack([scale.t(), (low + 8 * scale).t()], dim=-1).contiguous()
+    q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).view(n, k)
+    return q, scale, low
 
 
 def _layer_fns(x: torch.Tensor, weight: torch.Tensor) -> dict:
-    """One closure per format computing x [M, K] @ weight [N, K]^T -> fp32 [M, N]."""
+    """One closure per format computing x [M, K] @ weight [N, K]^T -> fp32 [M, N]; int8 and int4 are the
+    engine's own quantized weights (layers/quantization.py), casts included."""
     weight_bf16 = weight.bfloat16()
-    weight_int8, scales = _int8_weight(weight)
-    scales_bf16 = scales.bfloat16()
-    packed, scale_zeros = _int4_weight(weight)
-    scale_zeros_bf16 = scale_zeros.bfloat16()
+    int8 = Int8Weight(weight)
+    int4 = Int4Weight(*_q4_1_parts(weight))
+    scale_zeros_f32 = int4.scale_zeros.float()
     int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
     return {
         "fp32": lambda: torch.nn.functional.linear(x, weight),
         "bf16": lambda: torch.nn.functional.linear(x.bfloat16(), weight_bf16).float(),
-        "int8": lambda: torch._weight_int8pack_mm(x.bfloat16(), weight_int8, scales_bf16).float(),
-        "int4-f32": lambda: int4_mm(x, packed, GROUP, scale_zeros),
-        "int4": lambda: int4_mm(x.bfloat16(), packed, GROUP, scale_zeros_bf16).float(),
+        "int8": lambda: int8.matmul(x),
+        "int4-f32": lambda: int4_mm(x, int4.packed, GROUP, scale_zeros_f32),
+        "int4": lambda: int4.matmul(x),
     }
 
 
