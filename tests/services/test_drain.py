@@ -17,7 +17,14 @@ from llmserve.common.v1 import common_pb2
 from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc
 from llmserve.textgen.v1 import textgen_pb2, textgen_pb2_grpc
 from tests.services.engine_pause import paused
-from tests.services.procs import ENGINE_SERVICE, TEXTGEN_SERVICE, ServiceProcess, poll_until, wait_health
+from tests.services.procs import (
+    ENGINE_SERVICE,
+    TEXTGEN_SERVICE,
+    ServiceProcess,
+    poll_until,
+    wait_all_serving,
+    wait_health,
+)
 from tests.services.test_engine_processes import core_pid
 
 pytestmark = pytest.mark.slow
@@ -100,6 +107,7 @@ def test_tokenizer_drain_answers_until_its_last_stream_ends_then_exits_zero(tiny
                                              "--grace-period", str(GRACE_S)])
     try:
         wait_health(tokenizer.target, TEXTGEN_SERVICE, process=tokenizer)
+        wait_all_serving(tokenizer, 2)  # the first call may land on either worker: both must be ready
         with grpc.insecure_channel(tokenizer.target) as existing:
             stub = textgen_pb2_grpc.TextGenerationServiceStub(existing)
             request = textgen_pb2.GenerateRequest(token_ids={"ids": [10, 11, 12]}, sampling=common_pb2.SamplingParams(
