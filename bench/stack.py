@@ -227,7 +227,16 @@ def free_port() -> int:
 
 
 def worker_configs(args) -> list[tuple[str, tuple[list[str], list[str]]]]:
-    """(label, (extra engine flags, extra tokenizer flags)) per configuration to measure."""
+    """(label, (extra engine flags, extra tokenizer flags)) per configuration to measure: each worker
+    configuration once per --engine-calls mode (the mode named in the label when more than one is measured)."""
+    modes = args.engine_calls.split(",")
+    if len(modes) == 1 and modes[0] == "batched":
+        return _worker_configs(args)
+    return [(f"{label} {mode}", (engine_extra, [*tokenizer_extra, "--engine-calls", mode]))
+            for label, (engine_extra, tokenizer_extra) in _worker_configs(args) for mode in modes]
+
+
+def _worker_configs(args) -> list[tuple[str, tuple[list[str], list[str]]]]:
     interval = ["--stream-interval", str(args.stream_interval)] if args.stream_interval is not None else []
     suffix = f" si {args.stream_interval}" if interval else ""
     if args.worker_counts:
@@ -262,6 +271,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--api-workers", type=int, default=None, help="engine service --api-workers (passed only when given)")
     add("--workers", type=int, default=None, help="tokenizer service --workers (passed only when given)")
     add("--stream-interval", type=int, default=None, help="engine service --stream-interval (passed only when given)")
+    add("--engine-calls", default="batched", metavar="MODE[,MODE]",
+        help="tokenizer service --engine-calls: batched, per-request, or both to compare them in one run")
     add("--ttft-streams", type=int, default=64, help="streams of the load beside the TTFT probe (0: skip)")
     add("--ttft-probe", type=int, default=16, metavar="PAIRS", help="paired unloaded TTFT probe (0: skip)")
     add("--json", default=None, metavar="PATH", help="also write the report as JSON")

@@ -94,11 +94,12 @@ def _cpu_cell(row: PathResult, name: str) -> str:
 
 def format_report(report: StackReport) -> str:
     """The final table, then the ratios, the CPU beyond the model and what one core could relay."""
-    head = (f"{'config':<12}{'path':<15}{'tok/s':>9}{'x offline':>10}{'TTFT p50':>9}{'p99':>8}{'ITL p50':>9}"
+    width = max([12, *(len(row.config) + 1 for row in report.rows)])  # the config column fits every label
+    head = (f"{'config':<{width}}{'path':<15}{'tok/s':>9}{'x offline':>10}{'TTFT p50':>9}{'p99':>8}{'ITL p50':>9}"
             f"{'p99':>8} | CPU µs/token:{ENGINE:>9}{TOKENIZER:>10}{OFFLINE:>9}{CLIENT:>9}")
     lines = [f"== {report.title} ==", head]
     for row in [report.offline, *report.rows]:
-        lines.append(f"{row.config:<12}{row.path:<15}{row.tokens_per_s:9.0f}"
+        lines.append(f"{row.config:<{width}}{row.path:<15}{row.tokens_per_s:9.0f}"
                      f"{row.tokens_per_s / report.offline.tokens_per_s:10.2f}"
                      f"{_cell(row.ttft, 'p50_ms')[-9:]:>9}{_cell(row.ttft, 'p99_ms')}{_cell(row.itl, 'p50_ms'):>9}"
                      f"{_cell(row.itl, 'p99_ms')} | {'':12}" + "".join(
@@ -110,7 +111,7 @@ def format_report(report: StackReport) -> str:
     for row in report.rows:
         parts = [f"{name} {us:.1f} µs ({1e6 / us / 1e3:.1f}k tok/s per core)" if us > 0 else f"{name} {us:.1f} µs"
                  for name, us in report.beyond_model_us(row).items()]
-        lines.append(f"  {row.config:<12}{row.path:<15}" + "; ".join(parts))
+        lines.append(f"  {row.config:<{width}}{row.path:<15}" + "; ".join(parts))
     for config in dict.fromkeys(row.config for row in report.rows):
         ratios = {row.path: row.tokens_per_s / report.offline.tokens_per_s for row in report.rows
                   if row.config == config}

@@ -69,6 +69,8 @@ def status_for(exc: BaseException) -> status_pb2.Status:
     """The google.rpc.Status a typed error maps to; unknown errors become a bare INTERNAL."""
     if isinstance(exc, UpstreamStatusError):
         return exc.status
+    if isinstance(exc, MalformedStreamError):
+        return exc.request.status()
     if isinstance(exc, InvalidRequestError):
         violation = error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=exc.description)
         return _status(code_pb2.INVALID_ARGUMENT, str(exc), error_details_pb2.BadRequest(field_violations=[violation]))
@@ -117,6 +119,14 @@ class MalformedRequest:
                        error_details_pb2.BadRequest(field_violations=[violation]))
 
 
+class MalformedStreamError(Exception):
+    """A message of a client stream did not parse: the call ends with that message's INVALID_ARGUMENT."""
+
+    def __init__(self, request: MalformedRequest):
+        super().__init__(request.error)
+        self.request = request
+
+
 def _tolerant(deserializer):
     """A request deserializer that returns MalformedRequest instead of raising (grpc would answer UNKNOWN with the
     exception's class name), so the method wrapper can answer INVALID_ARGUMENT."""
@@ -161,6 +171,12 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                _wrap_bidi(handler.stream_stream, tracked),
+                request_deserializer=_tolerant(handler.request_deserializer),
+                response_serializer=handler.response_serializer,
+            )
         return handler
 
 
@@ -196,6 +212,35 @@ def _wrap_stream(behavior, state: "ServingState | None"):
                 async for response in behavior(request, context):
                     yield response
             except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit):
+                raise
+            except Exception as exc:
+                await abort_with(context, exc)
+
+    return wrapped
+
+
+def _wrap_bidi(behavior, state: "ServingState | None"):
+    """A bidirectional call: a message that does not parse reaches the behavior as a MalformedRequest, for it to
+    raise MalformedStreamError. Either calling convention: a coroutine writing with `await context.write(...)`
+    (GenerateBatch) or an async generator (grpc's reflection service)."""
+    if not inspect.iscoroutinefunction(behavior):
+        async def relayed(request_iterator, context):
+            with _in_flight(state):
+                try:
+                    async for response in behavior(request_iterator, context):
+                        yield response
+                except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit):
+                    raise
+                except Exception as exc:
+                    await abort_with(context, exc)
+
+        return relayed
+
+    async def wrapped(request_iterator, context):
+        with _in_flight(state):
+            try:
+                return await behavior(request_iterator, context)
+            except (grpc.aio.AbortError, asyncio.CancelledError):
                 raise
             except Exception as exc:
                 await abort_with(context, exc)

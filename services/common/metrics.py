@@ -165,6 +165,10 @@ class RequestScope:
     def __init__(self, observer: RequestObserver, record: RequestRecord, code_of):
         self._observer, self._record, self._code_of = observer, record, code_of
 
+    @property
+    def record(self) -> RequestRecord:
+        return self._record
+
     def __enter__(self) -> RequestRecord:
         if self._observer.metrics is not None:
             self._observer.metrics.start()

@@ -25,11 +25,18 @@ _CHANNEL_OPTIONS = CLIENT_OPTIONS + [
 class EngineClient:
     """Calls the engine service and tracks whether it is reachable and built for our tokenizer."""
 
-    def __init__(self, target: str, fingerprint: str):
+    def __init__(self, target: str, fingerprint: str, batched: bool = True):
+        """batched: send requests on one shared GenerateBatch call (services.tokenizer.engine_batch) rather
+        than a Generate call each."""
         self.target = target
         self.fingerprint = fingerprint
         self.channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
+        self._batch = None
+        if batched:
+            from services.tokenizer.engine_batch import BatchCall  # it builds on EngineStream, below
+
+            self._batch = BatchCall(self.stub, target)
         self.info: engine_pb2.GetEngineInfoResponse | None = None
         self.ready = asyncio.Event()
 
@@ -57,8 +64,11 @@ class EngineClient:
             raise UnavailableError(f"engine {self.target} is not available")
         return self.info
 
-    def generate(self, request: engine_pb2.GenerateRequest, timeout_s: float | None):
-        return self.stub.Generate(request, timeout=timeout_s)
+    def open_stream(self, request: engine_pb2.GenerateRequest, timeout_s: float | None) -> "EngineStream":
+        """Start generating; on the shared batch call the caller's deadline is enforced by cancelling."""
+        if self._batch is not None and not self._batch.unsupported:
+            return self._batch.open(request)
+        return EngineStream(self.stub.Generate(request, timeout=timeout_s))
 
     async def abort_completion(self, request_id: str, index: int, timeout_s: float = ABORT_TIMEOUT_S) -> bool:
         """Ask the engine to stop generating one completion of an n > 1 request (a stop string ended its text
@@ -96,6 +106,8 @@ class EngineClient:
         raise KvEventsEnded("OK")
 
     async def close(self) -> None:
+        if self._batch is not None:
+            self._batch.close()
         await self.channel.close()
 
 
@@ -124,38 +136,56 @@ class EngineStream:
     one message per write it can take instead of one per engine step.
     """
 
-    def __init__(self, call):
+    def __init__(self, call=None, on_cancel=None):
+        """Reads `call` (a Generate call) in its own task; without one, a BatchCall feeds it, and `on_cancel`
+        tells that call the stream was given up."""
         self._call = call
+        self._on_cancel = on_cancel
         # per completion index (sampling.n): ids, PositionLogprobs (one per id, when asked for) and newest message
         self._ids: dict[int, list[int]] = {}
         self._logprobs: dict[int, list] = {}
         self._last: dict[int, engine_pb2.GenerateResponse] = {}
         self._prompt_logprobs: list = []  # PositionLogprobs of the prompt, on completion 0's first message
-        self._taken_index = 0
+        self._taken_index = -1  # the index of the last take(), -1 before the first
         self._ended = False
         self._error: BaseException | None = None
         self._waiter: asyncio.Future | None = None
-        self._task = asyncio.create_task(self._read())
+        self._task = asyncio.create_task(self._read()) if call is not None else None
 
     async def _read(self) -> None:
+        error = None
         try:
             async for response in self._call:
-                index = response.index
-                self._ids.setdefault(index, []).extend(response.token_ids)
-                if response.logprobs:
-                    self._logprobs.setdefault(index, []).extend(response.logprobs)
-                if response.prompt_logprobs:
-                    self._prompt_logprobs = list(response.prompt_logprobs)
-                self._last[index] = response
-                if self._waiter is not None:
-                    self._wake()
+                self.feed(response)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 (handed to take(), which raises it in the handler)
-            self._error = exc
+            error = exc
         finally:
-            self._ended = True
+            self.end(error)
+
+    def feed(self, response: engine_pb2.GenerateResponse) -> None:
+        """One engine message of this request."""
+        index = response.index
+        self._ids.setdefault(index, []).extend(response.token_ids)
+        if response.logprobs:
+            self._logprobs.setdefault(index, []).extend(response.logprobs)
+        if response.prompt_logprobs:
+            self._prompt_logprobs = list(response.prompt_logprobs)
+        self._last[index] = response
+        if self._waiter is not None:
             self._wake()
+
+    def end(self, error: BaseException | None = None) -> None:
+        """No more messages will come; `error`, if any, is raised by the take() that finds nothing left."""
+        self._error = error
+        self._ended = True
+        self._wake()
+
+    @property
+    def has_messages(self) -> bool:
+        """Whether any engine message arrived (a request that got none may still be sent elsewhere)."""
+        return bool(self._last) or self._taken_index >= 0
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -188,8 +218,17 @@ class EngineStream:
 
     def cancel(self) -> None:
         """Cancel the engine call (the engine aborts the request) and stop reading."""
-        self._call.cancel()
-        self._task.cancel()
+        if self._call is not None:
+            self._call.cancel()
+            self._task.cancel()
+        if self._on_cancel is not None:
+            on_cancel, self._on_cancel = self._on_cancel, None
+            on_cancel()
+
+    def follow(self, call) -> None:
+        """Read `call` from now on (a Generate call that replaces a BatchCall the engine does not have)."""
+        self._call, self._on_cancel = call, None
+        self._task = asyncio.create_task(self._read())
 
 
 def upstream_error(exc: grpc.aio.AioRpcError) -> Exception:

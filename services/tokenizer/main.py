@@ -10,6 +10,7 @@ own tokenizer, engine channel and health. This process is the first of them and 
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 
@@ -42,8 +43,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default=None,
                         help="tokenizer source: HF checkpoint directory or .gguf file (default: the embedded model)")
     parser.add_argument("--workers", type=int, default=default_workers(),
-                        help="processes serving the port; each relays ~8k tokens/s per core "
+                        help="processes serving the port; each relays ~4-5k tokens/s per core (bench/stack.py) "
                              f"(default: a quarter of the cores, 1 to {MAX_DEFAULT_WORKERS}; here {default_workers()})")
+    parser.add_argument("--engine-calls", choices=["batched", "per-request"], default="batched",
+                        help="batched: each worker's requests to a replica share one GenerateBatch stream (one "
+                             "message per engine step); per-request: a Generate call each (default: %(default)s)")
     parser.add_argument("--default-max-tokens", type=int, default=256,
                         help="max_tokens when a request leaves it unset (capped by max_model_len)")
     parser.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get on SIGTERM")
@@ -67,6 +71,7 @@ async def serve(args: argparse.Namespace, port: int, workers: WorkerGroup | None
                 endpoint: MetricsEndpoint | None = None) -> None:
     """One relay process on `port`; the first one (the caller of main) also supervises `workers` and serves
     the metrics `endpoint`."""
+    from services.tokenizer.engine_client import EngineClient
     from services.tokenizer.engine_pool import EnginePool
     from services.tokenizer.limits import InputLimits
     from services.tokenizer.server import SERVICE_NAME, TextGenerationServicer, health_follower
@@ -74,7 +79,8 @@ async def serve(args: argparse.Namespace, port: int, workers: WorkerGroup | None
 
     tokenizer = await asyncio.to_thread(TextTokenizer.load, args.model)
     state = ServingState(SERVICE_NAME)
-    engines = EnginePool(args.engine_targets, tokenizer.fingerprint(), args.routing, health_follower(state))
+    connect = functools.partial(EngineClient, batched=args.engine_calls == "batched")
+    engines = EnginePool(args.engine_targets, tokenizer.fingerprint(), args.routing, health_follower(state), connect)
     limits = await asyncio.to_thread(InputLimits.of, tokenizer)
     servicer = TextGenerationServicer(tokenizer, engines, state, args.default_max_tokens, limits, _metrics(args))
     server = build_server([SERVICE_NAME], state, servicer.register, reuse_port=args.workers > 1,

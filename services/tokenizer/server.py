@@ -87,7 +87,7 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
             if tried:
                 record_engine_result(record.engine, record.engine_code)
             record.engine, record.engine_code = member.address, None
-            stream = EngineStream(member.client.generate(request, context.time_remaining()))
+            stream = member.client.open_stream(request, context.time_remaining())
             try:
                 return member, stream, await stream.take()
             except grpc.aio.AioRpcError as exc:

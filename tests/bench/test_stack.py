@@ -134,6 +134,9 @@ def test_worker_flags_reach_the_services_only_when_given():
     assert stack.worker_configs(stack.parse_args(["--worker-counts", "1,2"])) == [
         ("workers 1", (["--api-workers", "1"], ["--workers", "1"])),
         ("workers 2", (["--api-workers", "2"], ["--workers", "2"]))]
+    assert stack.worker_configs(stack.parse_args(["--workers", "1", "--engine-calls", "per-request,batched"])) == [
+        ("tok 1 per-request", ([], ["--workers", "1", "--engine-calls", "per-request"])),
+        ("tok 1 batched", ([], ["--workers", "1", "--engine-calls", "batched"]))]
 
 
 def test_quick_mode_is_small_and_the_default_is_the_issues_workload():

@@ -7,6 +7,7 @@ The stream is held in flight by pausing the engine-core process (SIGSTOP), not b
 
 from __future__ import annotations
 
+import queue
 import signal
 
 import grpc
@@ -96,6 +97,38 @@ def test_engine_drain_answers_until_its_last_stream_ends_then_exits_zero(tiny_di
             for response in call:
                 token_ids += response.token_ids
             assert len(token_ids) == NUM_TOKENS and response.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert engine.proc.wait(EXIT_TIMEOUT_S) == 0, engine.log_tail()
+    finally:
+        engine.kill()
+
+
+def test_engine_drain_ends_a_batch_stream_once_its_requests_have_and_refuses_new_ones_on_it(tiny_dir):
+    engine = start_engine(tiny_dir)
+    try:
+        with grpc.insecure_channel(engine.target) as existing:
+            stub = engine_pb2_grpc.EngineServiceStub(existing)
+
+            def message(request_id: str) -> engine_pb2.GenerateBatchRequest:
+                return engine_pb2.GenerateBatchRequest(requests=[engine_pb2.GenerateRequest(
+                    request_id=request_id, prompt_token_ids=[10, 11, 12], sampling=common_pb2.SamplingParams(
+                        temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True))])
+
+            outbox: queue.SimpleQueue = queue.SimpleQueue()
+            outbox.put(message("in-flight"))
+            call = stub.GenerateBatch(iter(outbox.get, None), timeout=CALL_TIMEOUT_S)  # never half-closed
+            token_ids = list(next(call).responses[0].token_ids)
+            with paused(core_pid(engine)):
+                engine.proc.send_signal(signal.SIGTERM)
+                assert_draining(engine, existing, ENGINE_SERVICE,
+                                lambda: list(stub.Generate(message("late").requests[0], timeout=CALL_TIMEOUT_S)))
+                outbox.put(message("late-on-the-stream"))
+                refused = next(call)
+            assert [(e.request_id, e.status.code) for e in refused.errors] == [
+                ("late-on-the-stream", grpc.StatusCode.UNAVAILABLE.value[0])]
+            responses = [r for later in call for r in later.responses]  # ends by itself, status OK
+            assert call.code() == grpc.StatusCode.OK
+            token_ids += [i for response in responses for i in response.token_ids]
+            assert len(token_ids) == NUM_TOKENS and responses[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert engine.proc.wait(EXIT_TIMEOUT_S) == 0, engine.log_tail()
     finally:
         engine.kill()

@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 from services.common.errors import DuplicateRequestError, UnavailableError
 from services.engine.core.interfaces import EngineStats, RequestOutput
@@ -34,10 +35,11 @@ class _Stream:
     """One request's outputs not yet taken by its reader."""
 
     __slots__ = ("request_id", "num_prompt_tokens", "pending", "pending_logprobs", "num_cached_tokens",
-                 "num_completion_tokens", "finished", "error", "waiter", "index", "prompt_logprobs")
+                 "num_completion_tokens", "finished", "error", "waiter", "index", "prompt_logprobs", "sink")
 
-    def __init__(self, request_id: str, num_prompt_tokens: int, index: int = 0):
+    def __init__(self, request_id: str, num_prompt_tokens: int, index: int = 0, sink=None):
         self.request_id = request_id
+        self.sink = sink  # a reader of many streams (StreamSink) instead of a waiter per stream
         self.index = index  # which of the request's sampling.n completions
         self.num_prompt_tokens = num_prompt_tokens
         self.pending: list[int] = []
@@ -56,6 +58,9 @@ class _Stream:
         return len(self.pending) >= interval or (self.num_completion_tokens == 0 and bool(self.pending))
 
     def wake(self) -> None:
+        if self.sink is not None:
+            self.sink.on_output(self)
+            return
         waiter = self.waiter
         if waiter is not None:
             self.waiter = None
@@ -78,6 +83,12 @@ class _Stream:
                              finished.num_completion_tokens, finished.num_cached_tokens,
                              finished.matched_stop_token_id, queue_time_s=finished.queue_time_s, logprobs=logprobs,
                              index=self.index, prompt_logprobs=prompt_logprobs)
+
+
+class StreamSink(Protocol):
+    """Reads many requests' streams at once (a GenerateBatch call): told of each stream that has output."""
+
+    def on_output(self, stream: "_Stream") -> None: ...
 
 
 class AsyncEngine:
@@ -145,6 +156,11 @@ class AsyncEngine:
             self._writer.join(5.0)
         self._connection.close()
 
+    @property
+    def stream_interval(self) -> int:
+        """A stream has output once this many tokens are pending (or its first token, its finish, an error)."""
+        return self._stream_interval
+
     def stats(self) -> EngineStats:
         """The engine's figures as of the last step this front heard of."""
         return self._stats
@@ -163,18 +179,7 @@ class AsyncEngine:
         validate beforehand for field errors. Leaving the iteration early (cancel, deadline, disconnect)
         aborts the request, which frees its KV blocks before the core's next step.
         """
-        if self._stopped or self.core_lost:
-            raise UnavailableError("engine is not available")
-        if request_id in self._handles:
-            raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
-        handle = next(self._next_handle)  # completion i is handle + i: n consecutive handles
-        streams = [_Stream(request_id, len(prompt_token_ids), 0)]
-        streams += [_Stream(request_id, len(prompt_token_ids), next(self._next_handle) - handle)
-                    for _ in range(sampling.n - 1)]
-        for index, stream in enumerate(streams):
-            self._streams[handle + index] = stream
-        self._handles[request_id] = handle
-        self._commands.put(AddRequest(handle, request_id, prompt_token_ids, sampling, time.monotonic()))
+        streams = self.open(request_id, prompt_token_ids, sampling)
         unfinished = list(streams)
         try:
             while unfinished:
@@ -195,13 +200,42 @@ class AsyncEngine:
                         output.request_finished = not unfinished
                     yield output
         finally:
-            for index in range(len(streams)):
-                self._streams.pop(handle + index, None)
-            self._handles.pop(request_id, None)
-            if unfinished and not self.core_lost:
-                self._commands.put(AbortRequests([request_id]))
-                if not any(stream.finished is not None and stream.finished.request_finished for stream in streams):
-                    self._aborting.add(handle)  # else the core has counted it already
+            self.close(streams, bool(unfinished))
+
+    def open(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+             sink: "StreamSink | None" = None) -> list[_Stream]:
+        """Submit a request; its streams, one per completion (sampling.n), for a reader to take() from.
+
+        With a sink, the streams report output to sink.on_output instead of waking a waiter of their own.
+        Every open() is followed by one close().
+        """
+        if self._stopped or self.core_lost:
+            raise UnavailableError("engine is not available")
+        if request_id in self._handles:
+            raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
+        handle = next(self._next_handle)  # completion i is handle + i: n consecutive handles
+        streams = [_Stream(request_id, len(prompt_token_ids), 0, sink)]
+        streams += [_Stream(request_id, len(prompt_token_ids), next(self._next_handle) - handle, sink)
+                    for _ in range(sampling.n - 1)]
+        for index, stream in enumerate(streams):
+            self._streams[handle + index] = stream
+        self._handles[request_id] = handle
+        self._commands.put(AddRequest(handle, request_id, prompt_token_ids, sampling, time.monotonic()))
+        return streams
+
+    def close(self, streams: list[_Stream], unfinished: bool) -> None:
+        """Forget an open()ed request; `unfinished` (the reader stopped before its last completion's finish)
+        aborts it, which frees its KV blocks before the core's next step."""
+        request_id = streams[0].request_id
+        handle = self._handles.pop(request_id, None)
+        if handle is None:
+            return
+        for index in range(len(streams)):
+            self._streams.pop(handle + index, None)
+        if unfinished and not self.core_lost:
+            self._commands.put(AbortRequests([request_id]))
+            if not any(stream.finished is not None and stream.finished.request_finished for stream in streams):
+                self._aborting.add(handle)  # else the core has counted it already
 
     def is_live(self, request_id: str) -> bool:
         """Whether this front has a stream open for the request."""

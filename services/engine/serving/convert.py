@@ -4,10 +4,12 @@ from llmserve.common.v1 import common_pb2
 from llmserve.engine.v1 import engine_pb2
 
 from services.common.convert import RequestClock, constraint_fields
+from services.common.grpc_server import status_for
 from services.common.validation import PROMPT_TOKEN_IDS, check_room_for_completion, check_wire_sampling
 from services.engine.core.interfaces import EngineStats, PromptLogprobs, RequestOutput, TokenLogprobs
 from services.engine.core.sampling_params import SamplingParams
 from services.engine.core.sequence import FinishReason
+from services.engine.serving.batch_session import BatchOutputs
 from services.engine.serving.kv_subscribers import KvEventBatch
 
 _FINISH_REASONS = {
@@ -51,15 +53,18 @@ def sampling_from_proto(proto: common_pb2.SamplingParams, num_prompt_tokens: int
     )
 
 
-def response_from_output(output: RequestOutput, timing: RequestClock) -> engine_pb2.GenerateResponse:
-    response = engine_pb2.GenerateResponse(
-        request_id=output.request_id,
-        index=output.index,
-        token_ids=output.new_token_ids,
-        usage=common_pb2.Usage(prompt_tokens=output.num_prompt_tokens,
-                               completion_tokens=output.num_completion_tokens,
-                               cached_tokens=output.num_cached_tokens),
-    )
+def response_from_output(output: RequestOutput, timing: RequestClock,
+                         response: engine_pb2.GenerateResponse | None = None) -> engine_pb2.GenerateResponse:
+    """The Generate message of one output; filled into `response` (a new, empty one) when given."""
+    if response is None:
+        response = engine_pb2.GenerateResponse()
+    response.request_id = output.request_id
+    response.index = output.index
+    response.token_ids.extend(output.new_token_ids)
+    usage = response.usage
+    usage.prompt_tokens = output.num_prompt_tokens
+    usage.completion_tokens = output.num_completion_tokens
+    usage.cached_tokens = output.num_cached_tokens
     if output.finish_reason is not None:
         response.finish_reason = _FINISH_REASONS[output.finish_reason]
         response.timing.CopyFrom(timing.to_proto())
@@ -70,6 +75,18 @@ def response_from_output(output: RequestOutput, timing: RequestClock) -> engine_
                                  for token_id, position in zip(output.new_token_ids, output.logprobs))
     if output.prompt_logprobs is not None:
         response.prompt_logprobs.extend(prompt_position_logprobs(output.prompt_logprobs))
+    return response
+
+
+def batch_response(batch: BatchOutputs) -> engine_pb2.GenerateBatchResponse:
+    """One GenerateBatch message: each output as its Generate message, each error as the status Generate ends with."""
+    response = engine_pb2.GenerateBatchResponse()
+    add = response.responses.add
+    for request, output in batch.outputs:
+        response_from_output(output, request.clock, add())  # built in place: no copy into the batch
+    for request_id, exc in batch.errors:
+        status = status_for(exc)
+        response.errors.add(request_id=request_id).status.ParseFromString(status.SerializeToString())
     return response
 
 

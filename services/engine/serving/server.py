@@ -9,12 +9,14 @@ import grpc
 from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc
 
 from services.common.errors import InvalidRequestError, UnavailableError
-from services.common.grpc_server import ServingState, request_id_var, status_code_name
+from services.common.grpc_server import (
+    MalformedRequest, MalformedStreamError, ServingState, request_id_var, status_code_name)
 from services.common.metrics import RequestObserver
 from services.common.validation import check_request_id, loggable_request_id
 from services.engine.serving.async_engine import AsyncEngine
+from services.engine.serving.batch_session import CANCELLED, BatchSession
 from services.engine.serving.convert import (
-    RequestClock, completion_refs_from_proto, completion_refs_to_proto, kv_events_response, load_report,
+    RequestClock, batch_response, completion_refs_from_proto, completion_refs_to_proto, kv_events_response, load_report,
     response_from_output, sampling_from_proto)
 from services.engine.core.request_validator import RequestValidator
 from services.engine.core.sampling_params import SamplingParams
@@ -50,15 +52,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         clock = RequestClock()
         with self.requests.track(loggable_request_id(request.request_id), clock, lambda exc: status_code_name(exc, context)) as record:
-            if self.state.draining:
-                raise UnavailableError("engine is draining")
-            if not request.request_id:
-                raise InvalidRequestError("request_id", "must not be empty")
-            check_request_id(request.request_id)
-            request_id_var.set(request.request_id)
-            prompt = list(request.prompt_token_ids)
-            sampling = sampling_from_proto(request.sampling, len(prompt), self.info.max_model_len)
-            self.validator.validate(prompt, sampling)
+            prompt, sampling = self._validated(request)
             record.num_prompt_tokens, record.admitted = len(prompt), True
             stream = self.engine.generate(request.request_id, prompt, sampling)
             async with contextlib.aclosing(stream):
@@ -71,6 +65,60 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                                       output.num_cached_tokens)
                         record.queue_time_s = output.queue_time_s
                     yield response_from_output(output, clock)
+
+    def _validated(self, request: engine_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
+        """(prompt, sampling) of a request this engine may admit; raises the typed error naming the field."""
+        if self.state.draining:
+            raise UnavailableError("engine is draining")
+        if not request.request_id:
+            raise InvalidRequestError("request_id", "must not be empty")
+        check_request_id(request.request_id)
+        request_id_var.set(request.request_id)
+        prompt = list(request.prompt_token_ids)
+        sampling = sampling_from_proto(request.sampling, len(prompt), self.info.max_model_len)
+        self.validator.validate(prompt, sampling)
+        return prompt, sampling
+
+    async def GenerateBatch(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
+        """Many Generate calls on one stream: one message per batch of outputs (see the contract).
+
+        A reader task admits and cancels requests as they arrive; this coroutine writes. Written with
+        context.write, so the call is a coroutine (grpc.aio picks the calling convention by type).
+        """
+        session = BatchSession(self.engine, self.requests, _batch_code_of)
+        reader = asyncio.ensure_future(self._read_batch(request_iterator, session))
+        reader.add_done_callback(lambda _: session.wakeup.set())
+        drain = asyncio.ensure_future(self.state.drain_started.wait())
+        drain.add_done_callback(lambda _: session.wakeup.set())
+        try:
+            while True:
+                await session.wakeup.wait()
+                batch = session.collect()
+                if batch.outputs or batch.errors:
+                    await context.write(batch_response(batch))
+                if reader.done() and reader.exception() is not None:
+                    raise reader.exception()
+                if not session.requests and (reader.done() or self.state.draining):
+                    return
+        finally:
+            reader.cancel()
+            drain.cancel()
+            session.close()
+
+    async def _read_batch(self, request_iterator, session: BatchSession) -> None:
+        async for message in request_iterator:
+            if isinstance(message, MalformedRequest):
+                raise MalformedStreamError(message)
+            for request in message.requests:
+                batch_request = session.start(request.request_id)
+                try:
+                    prompt, sampling = self._validated(request)
+                except Exception as exc:  # noqa: BLE001 (the request's error entry; the call goes on)
+                    session.fail(batch_request, exc)
+                    continue
+                session.admit(batch_request, prompt, sampling)
+            for request_id in message.cancel_request_ids:
+                session.cancel(request_id)
 
     async def Abort(self, request: engine_pb2.AbortRequest, context) -> engine_pb2.AbortResponse:
         aborted, completions = await self.engine.abort_any(list(request.request_ids),
@@ -102,6 +150,11 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         """Subscriptions never end alone: end them when the drain starts, so they do not hold up its grace."""
         await self.state.drain_started.wait()
         self.engine.end_kv_events(UnavailableError("engine is draining"))
+
+
+def _batch_code_of(exc: BaseException) -> str:
+    """A multiplexed request's status name: a request the caller gave up was cancelled, whatever the call does."""
+    return CANCELLED if isinstance(exc, asyncio.CancelledError) else status_code_name(exc)
 
 
 def engine_info(description) -> engine_pb2.GetEngineInfoResponse:

@@ -22,38 +22,47 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import any_pb2 as google_dot_protobuf_dot_any__pb2
 from llmserve.common.v1 import common_pb2 as llmserve_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fllmserve/engine/v1/engine.proto\x12\x12llmserve.engine.v1\x1a\x1fllmserve/common/v1/common.proto\"u\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x34\n\x08sampling\x18\x03 \x01(\x0b\x32\".llmserve.common.v1.SamplingParams\"\xac\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x37\n\rfinish_reason\x18\x03 \x01(\x0e\x32 .llmserve.common.v1.FinishReason\x12(\n\x05usage\x18\x04 \x01(\x0b\x32\x19.llmserve.common.v1.Usage\x12\"\n\x15matched_stop_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x31\n\x06timing\x18\x06 \x01(\x0b\x32!.llmserve.common.v1.RequestTiming\x12\x36\n\x08logprobs\x18\x07 \x03(\x0b\x32$.llmserve.common.v1.PositionLogprobs\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\r\x12\r\n\x05index\x18\t \x01(\r\x12=\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32$.llmserve.common.v1.PositionLogprobsB\x18\n\x16_matched_stop_token_id\"[\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x36\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32!.llmserve.engine.v1.CompletionRef\"2\n\rCompletionRef\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\"l\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t\x12>\n\x13\x61\x62orted_completions\x18\x02 \x03(\x0b\x32!.llmserve.engine.v1.CompletionRef\"\x16\n\x14GetEngineInfoRequest\"\xe2\x02\n\x15GetEngineInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\n \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x0c \x01(\r\x12\x1d\n\x15\x65nable_prefix_caching\x18\r \x01(\x08\x12\x1c\n\x14tensor_parallel_size\x18\x0e \x01(\r\"\x10\n\x0eGetLoadRequest\"\x8e\x02\n\nLoadReport\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12 \n\x18num_cached_prompt_tokens\x18\x06 \x01(\x04\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x04\x12\x1c\n\x14num_generated_tokens\x18\x08 \x01(\x04\x12\x1d\n\x15num_finished_requests\x18\t \x01(\x04\x12\x10\n\x08\x64raining\x18\n \x01(\x08\"\x1a\n\x18SubscribeKvEventsRequest\"\xaa\x01\n\x19SubscribeKvEventsResponse\x12\x10\n\x08snapshot\x18\x01 \x01(\x08\x12\x1b\n\x13stored_block_hashes\x18\x02 \x03(\x06\x12\x1c\n\x14removed_block_hashes\x18\x03 \x03(\x06\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12,\n\x04load\x18\x05 \x01(\x0b\x32\x1e.llmserve.engine.v1.LoadReport2\xdf\x03\n\rEngineService\x12W\n\x08Generate\x12#.llmserve.engine.v1.GenerateRequest\x1a$.llmserve.engine.v1.GenerateResponse0\x01\x12L\n\x05\x41\x62ort\x12 .llmserve.engine.v1.AbortRequest\x1a!.llmserve.engine.v1.AbortResponse\x12\x64\n\rGetEngineInfo\x12(.llmserve.engine.v1.GetEngineInfoRequest\x1a).llmserve.engine.v1.GetEngineInfoResponse\x12M\n\x07GetLoad\x12\".llmserve.engine.v1.GetLoadRequest\x1a\x1e.llmserve.engine.v1.LoadReport\x12r\n\x11SubscribeKvEvents\x12,.llmserve.engine.v1.SubscribeKvEventsRequest\x1a-.llmserve.engine.v1.SubscribeKvEventsResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fllmserve/engine/v1/engine.proto\x12\x12llmserve.engine.v1\x1a\x19google/protobuf/any.proto\x1a\x1fllmserve/common/v1/common.proto\"u\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x34\n\x08sampling\x18\x03 \x01(\x0b\x32\".llmserve.common.v1.SamplingParams\"\xac\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x37\n\rfinish_reason\x18\x03 \x01(\x0e\x32 .llmserve.common.v1.FinishReason\x12(\n\x05usage\x18\x04 \x01(\x0b\x32\x19.llmserve.common.v1.Usage\x12\"\n\x15matched_stop_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x31\n\x06timing\x18\x06 \x01(\x0b\x32!.llmserve.common.v1.RequestTiming\x12\x36\n\x08logprobs\x18\x07 \x03(\x0b\x32$.llmserve.common.v1.PositionLogprobs\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\r\x12\r\n\x05index\x18\t \x01(\r\x12=\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32$.llmserve.common.v1.PositionLogprobsB\x18\n\x16_matched_stop_token_id\"[\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x36\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32!.llmserve.engine.v1.CompletionRef\"2\n\rCompletionRef\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\"l\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t\x12>\n\x13\x61\x62orted_completions\x18\x02 \x03(\x0b\x32!.llmserve.engine.v1.CompletionRef\"\x16\n\x14GetEngineInfoRequest\"\xe2\x02\n\x15GetEngineInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\n \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x0c \x01(\r\x12\x1d\n\x15\x65nable_prefix_caching\x18\r \x01(\x08\x12\x1c\n\x14tensor_parallel_size\x18\x0e \x01(\r\"\x10\n\x0eGetLoadRequest\"\x8e\x02\n\nLoadReport\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12 \n\x18num_cached_prompt_tokens\x18\x06 \x01(\x04\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x04\x12\x1c\n\x14num_generated_tokens\x18\x08 \x01(\x04\x12\x1d\n\x15num_finished_requests\x18\t \x01(\x04\x12\x10\n\x08\x64raining\x18\n \x01(\x08\"\x1a\n\x18SubscribeKvEventsRequest\"\xaa\x01\n\x19SubscribeKvEventsResponse\x12\x10\n\x08snapshot\x18\x01 \x01(\x08\x12\x1b\n\x13stored_block_hashes\x18\x02 \x03(\x06\x12\x1c\n\x14removed_block_hashes\x18\x03 \x03(\x06\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12,\n\x04load\x18\x05 \x01(\x0b\x32\x1e.llmserve.engine.v1.LoadReport\"i\n\x14GenerateBatchRequest\x12\x35\n\x08requests\x18\x01 \x03(\x0b\x32#.llmserve.engine.v1.GenerateRequest\x12\x1a\n\x12\x63\x61ncel_request_ids\x18\x02 \x03(\t\"\x82\x01\n\x15GenerateBatchResponse\x12\x37\n\tresponses\x18\x01 \x03(\x0b\x32$.llmserve.engine.v1.GenerateResponse\x12\x30\n\x06\x65rrors\x18\x02 \x03(\x0b\x32 .llmserve.engine.v1.RequestError\"U\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x31\n\x06status\x18\x02 \x01(\x0b\x32!.llmserve.engine.v1.RequestStatus\"U\n\rRequestStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12%\n\x07\x64\x65tails\x18\x03 \x03(\x0b\x32\x14.google.protobuf.Any2\xc9\x04\n\rEngineService\x12W\n\x08Generate\x12#.llmserve.engine.v1.GenerateRequest\x1a$.llmserve.engine.v1.GenerateResponse0\x01\x12L\n\x05\x41\x62ort\x12 .llmserve.engine.v1.AbortRequest\x1a!.llmserve.engine.v1.AbortResponse\x12\x64\n\rGetEngineInfo\x12(.llmserve.engine.v1.GetEngineInfoRequest\x1a).llmserve.engine.v1.GetEngineInfoResponse\x12M\n\x07GetLoad\x12\".llmserve.engine.v1.GetLoadRequest\x1a\x1e.llmserve.engine.v1.LoadReport\x12r\n\x11SubscribeKvEvents\x12,.llmserve.engine.v1.SubscribeKvEventsRequest\x1a-.llmserve.engine.v1.SubscribeKvEventsResponse0\x01\x12h\n\rGenerateBatch\x12(.llmserve.engine.v1.GenerateBatchRequest\x1a).llmserve.engine.v1.GenerateBatchResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmserve.engine.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATEREQUEST']._serialized_start=88
-  _globals['_GENERATEREQUEST']._serialized_end=205
-  _globals['_GENERATERESPONSE']._serialized_start=208
-  _globals['_GENERATERESPONSE']._serialized_end=636
-  _globals['_ABORTREQUEST']._serialized_start=638
-  _globals['_ABORTREQUEST']._serialized_end=729
-  _globals['_COMPLETIONREF']._serialized_start=731
-  _globals['_COMPLETIONREF']._serialized_end=781
-  _globals['_ABORTRESPONSE']._serialized_start=783
-  _globals['_ABORTRESPONSE']._serialized_end=891
-  _globals['_GETENGINEINFOREQUEST']._serialized_start=893
-  _globals['_GETENGINEINFOREQUEST']._serialized_end=915
-  _globals['_GETENGINEINFORESPONSE']._serialized_start=918
-  _globals['_GETENGINEINFORESPONSE']._serialized_end=1272
-  _globals['_GETLOADREQUEST']._serialized_start=1274
-  _globals['_GETLOADREQUEST']._serialized_end=1290
-  _globals['_LOADREPORT']._serialized_start=1293
-  _globals['_LOADREPORT']._serialized_end=1563
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=1565
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=1591
-  _globals['_SUBSCRIBEKVEVENTSRESPONSE']._serialized_start=1594
-  _globals['_SUBSCRIBEKVEVENTSRESPONSE']._serialized_end=1764
-  _globals['_ENGINESERVICE']._serialized_start=1767
-  _globals['_ENGINESERVICE']._serialized_end=2246
+  _globals['_GENERATEREQUEST']._serialized_start=115
+  _globals['_GENERATEREQUEST']._serialized_end=232
+  _globals['_GENERATERESPONSE']._serialized_start=235
+  _globals['_GENERATERESPONSE']._serialized_end=663
+  _globals['_ABORTREQUEST']._serialized_start=665
+  _globals['_ABORTREQUEST']._serialized_end=756
+  _globals['_COMPLETIONREF']._serialized_start=758
+  _globals['_COMPLETIONREF']._serialized_end=808
+  _globals['_ABORTRESPONSE']._serialized_start=810
+  _globals['_ABORTRESPONSE']._serialized_end=918
+  _globals['_GETENGINEINFOREQUEST']._serialized_start=920
+  _globals['_GETENGINEINFOREQUEST']._serialized_end=942
+  _globals['_GETENGINEINFORESPONSE']._serialized_start=945
+  _globals['_GETENGINEINFORESPONSE']._serialized_end=1299
+  _globals['_GETLOADREQUEST']._serialized_start=1301
+  _globals['_GETLOADREQUEST']._serialized_end=1317
+  _globals['_LOADREPORT']._serialized_start=1320
+  _globals['_LOADREPORT']._serialized_end=1590
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=1592
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=1618
+  _globals['_SUBSCRIBEKVEVENTSRESPONSE']._serialized_start=1621
+  _globals['_SUBSCRIBEKVEVENTSRESPONSE']._serialized_end=1791
+  _globals['_GENERATEBATCHREQUEST']._serialized_start=1793
+  _globals['_GENERATEBATCHREQUEST']._serialized_end=1898
+  _globals['_GENERATEBATCHRESPONSE']._serialized_start=1901
+  _globals['_GENERATEBATCHRESPONSE']._serialized_end=2031
+  _globals['_REQUESTERROR']._serialized_start=2033
+  _globals['_REQUESTERROR']._serialized_end=2118
+  _globals['_REQUESTSTATUS']._serialized_start=2120
+  _globals['_REQUESTSTATUS']._serialized_end=2205
+  _globals['_ENGINESERVICE']._serialized_start=2208
+  _globals['_ENGINESERVICE']._serialized_end=2793
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,4 @@
+from google.protobuf import any_pb2 as _any_pb2
 from llmserve.common.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -146,3 +147,37 @@ class SubscribeKvEventsResponse(_message.Message):
     block_size: int
     load: LoadReport
     def __init__(self, snapshot: _Optional[bool] = ..., stored_block_hashes: _Optional[_Iterable[int]] = ..., removed_block_hashes: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ...) -> None: ...
+
+class GenerateBatchRequest(_message.Message):
+    __slots__ = ("requests", "cancel_request_ids")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[GenerateRequest]
+    cancel_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, requests: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ..., cancel_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GenerateBatchResponse(_message.Message):
+    __slots__ = ("responses", "errors")
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[GenerateResponse]
+    errors: _containers.RepeatedCompositeFieldContainer[RequestError]
+    def __init__(self, responses: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ...) -> None: ...
+
+class RequestError(_message.Message):
+    __slots__ = ("request_id", "status")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    status: RequestStatus
+    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[_Union[RequestStatus, _Mapping]] = ...) -> None: ...
+
+class RequestStatus(_message.Message):
+    __slots__ = ("code", "message", "details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    details: _containers.RepeatedCompositeFieldContainer[_any_pb2.Any]
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., details: _Optional[_Iterable[_Union[_any_pb2.Any, _Mapping]]] = ...) -> None: ...

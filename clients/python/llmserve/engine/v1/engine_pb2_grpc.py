@@ -60,6 +60,11 @@ class EngineServiceStub:
                 request_serializer=llmserve_dot_engine_dot_v1_dot_engine__pb2.SubscribeKvEventsRequest.SerializeToString,
                 response_deserializer=llmserve_dot_engine_dot_v1_dot_engine__pb2.SubscribeKvEventsResponse.FromString,
                 _registered_method=True)
+        self.GenerateBatch = channel.stream_stream(
+                '/llmserve.engine.v1.EngineService/GenerateBatch',
+                request_serializer=llmserve_dot_engine_dot_v1_dot_engine__pb2.GenerateBatchRequest.SerializeToString,
+                response_deserializer=llmserve_dot_engine_dot_v1_dot_engine__pb2.GenerateBatchResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -117,6 +122,29 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateBatch(self, request_iterator, context):
+        """Many Generate calls multiplexed on one stream, for a caller that relays
+        many requests at once (the tokenizer service): the outputs of one engine
+        step for all of this stream's requests come as one message, instead of
+        one message per request per step.
+
+        Each request behaves as its own Generate call would: the same validation,
+        the same GenerateResponse messages, exactly one terminal outcome (its
+        last message, or a GenerateBatchResponse.errors entry carrying the status
+        its Generate call would have ended with). Naming a request in
+        cancel_request_ids does what cancelling its Generate call does. There are
+        no per-request deadlines: the caller cancels. Request ids are unique
+        among all of the engine's in-flight requests, as for Generate.
+
+        Ending the stream, from either side, aborts every request still in
+        flight on it. While the engine drains, new requests get UNAVAILABLE
+        errors and the stream ends with status OK once its requests have ended.
+        A message that does not parse ends the stream with INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +172,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.SubscribeKvEvents,
                     request_deserializer=llmserve_dot_engine_dot_v1_dot_engine__pb2.SubscribeKvEventsRequest.FromString,
                     response_serializer=llmserve_dot_engine_dot_v1_dot_engine__pb2.SubscribeKvEventsResponse.SerializeToString,
+            ),
+            'GenerateBatch': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateBatch,
+                    request_deserializer=llmserve_dot_engine_dot_v1_dot_engine__pb2.GenerateBatchRequest.FromString,
+                    response_serializer=llmserve_dot_engine_dot_v1_dot_engine__pb2.GenerateBatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -282,6 +315,33 @@ class EngineService:
             '/llmserve.engine.v1.EngineService/SubscribeKvEvents',
             llmserve_dot_engine_dot_v1_dot_engine__pb2.SubscribeKvEventsRequest.SerializeToString,
             llmserve_dot_engine_dot_v1_dot_engine__pb2.SubscribeKvEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateBatch(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/llmserve.engine.v1.EngineService/GenerateBatch',
+            llmserve_dot_engine_dot_v1_dot_engine__pb2.GenerateBatchRequest.SerializeToString,
+            llmserve_dot_engine_dot_v1_dot_engine__pb2.GenerateBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

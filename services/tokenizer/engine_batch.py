@@ -1,0 +1,165 @@
+"""One GenerateBatch call per engine replica, shared by every request this tokenizer process sends there.
+
+Per engine step the replica sends one message for all of this process's requests, instead of one message per
+request per step: the relay's cost per token falls to a dict look-up and a list extend. Each request still
+reads its own EngineStream, and fails exactly as its own Generate call would: an errors entry becomes the
+AioRpcError that call would have raised (status details included), so routing and error mapping stay one
+code path for both kinds of call.
+"""
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+from llmserve.engine.v1 import engine_pb2
+
+from services.common.errors import DuplicateRequestError
+from services.common.grpc_server import status_for
+from services.tokenizer.engine_client import EngineStream
+
+logger = logging.getLogger(__name__)
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+_STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+
+def rpc_error(status) -> grpc.aio.AioRpcError:
+    """The AioRpcError a call ending with `status` (a google.rpc.Status or RequestStatus) raises."""
+    trailing = grpc.aio.Metadata((_STATUS_DETAILS_KEY, status.SerializeToString()))
+    return grpc.aio.AioRpcError(_STATUS_CODES.get(status.code, grpc.StatusCode.UNKNOWN), grpc.aio.Metadata(),
+                                trailing, status.message)
+
+
+def _unavailable(message: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), message)
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    """A request on the call: its stream, the completions the engine has yet to finish, whether it is over."""
+
+    request: engine_pb2.GenerateRequest
+    stream: EngineStream | None = None
+    remaining: int = 1
+    over: bool = False
+
+
+class BatchCall:
+    """Opens the GenerateBatch call on first use, and again after it ends (the engine restarted or drained).
+
+    `unsupported` turns true when the engine answers UNIMPLEMENTED (an older build): the requests that were on
+    the call go on as Generate calls, and the caller opens per-request calls from then on.
+    """
+
+    def __init__(self, stub, target: str):
+        self._stub = stub
+        self.target = target
+        self.unsupported = False
+        self._call = None
+        self._tasks: list[asyncio.Task] = []
+        self._entries: dict[str, _Entry] = {}
+        self._pending = engine_pb2.GenerateBatchRequest()
+        self._pending_cancels: set[str] = set()
+        self._queue: list[engine_pb2.GenerateBatchRequest] = []
+        self._news = asyncio.Event()
+
+    def open(self, request: engine_pb2.GenerateRequest) -> EngineStream:
+        """Send a request on the call; its stream fails as a Generate call would (e.g. a duplicate id)."""
+        request_id = request.request_id
+        if request_id in self._entries:  # its messages could not be told apart from the live one's
+            stream = EngineStream()
+            stream.end(rpc_error(status_for(DuplicateRequestError(f"request_id {request_id!r} is already in flight"))))
+            return stream
+        if self._call is None:
+            self._connect()
+        if request_id in self._pending_cancels:  # the cancel of an earlier request of that id must go first
+            self._queue.append(self._pending)
+            self._pending, self._pending_cancels = engine_pb2.GenerateBatchRequest(), set()
+        entry = _Entry(request, remaining=request.sampling.n if request.sampling.HasField("n") else 1)
+        entry.stream = EngineStream(on_cancel=lambda: self._cancel(entry))
+        self._entries[request_id] = entry
+        self._pending.requests.append(request)
+        self._news.set()
+        return entry.stream
+
+    def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        for task in self._tasks:
+            task.cancel()
+
+    def _cancel(self, entry: _Entry) -> None:
+        if entry.over:
+            return
+        entry.over = True
+        request_id = entry.request.request_id
+        del self._entries[request_id]
+        if self._call is not None:
+            self._pending.cancel_request_ids.append(request_id)
+            self._pending_cancels.add(request_id)
+            self._news.set()
+
+    def _connect(self) -> None:
+        call = self._call = self._stub.GenerateBatch()
+        self._tasks = [asyncio.create_task(self._write(call)), asyncio.create_task(self._read(call))]
+
+    async def _write(self, call) -> None:
+        """Send what accumulated since the last write, one message (more only where order demands)."""
+        try:
+            while True:
+                await self._news.wait()
+                self._news.clear()
+                messages, self._queue = self._queue, []
+                if self._pending.requests or self._pending.cancel_request_ids:
+                    messages.append(self._pending)
+                    self._pending, self._pending_cancels = engine_pb2.GenerateBatchRequest(), set()
+                for message in messages:
+                    await call.write(message)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            return  # the call ended: the reader fails its requests
+
+    async def _read(self, call) -> None:
+        error = None
+        try:
+            async for message in call:
+                self._dispatch(message)
+            error = _unavailable(f"engine {self.target} ended the batch call")
+        except grpc.aio.AioRpcError as exc:
+            error = exc
+        finally:
+            self._lose(call, error)
+
+    def _dispatch(self, message: engine_pb2.GenerateBatchResponse) -> None:
+        entries = self._entries
+        for response in message.responses:
+            entry = entries.get(response.request_id)
+            if entry is None:
+                continue
+            entry.stream.feed(response)
+            if response.finish_reason:
+                entry.remaining -= 1
+                if not entry.remaining:  # the engine is done with it: nothing to cancel
+                    entry.over = True
+                    del entries[response.request_id]
+        for failed in message.errors:
+            entry = entries.pop(failed.request_id, None)
+            if entry is not None:
+                entry.over = True
+                entry.stream.end(rpc_error(failed.status))
+
+    def _lose(self, call, error: grpc.aio.AioRpcError | None) -> None:
+        """The call ended: fail its requests with its status (or re-send them as Generate calls, see class)."""
+        if self._call is call:
+            self._call = None
+            self._tasks[0].cancel()
+            self._pending, self._pending_cancels, self._queue = engine_pb2.GenerateBatchRequest(), set(), []
+        entries, self._entries = self._entries, {}
+        if error is not None and error.code() == grpc.StatusCode.UNIMPLEMENTED:
+            self.unsupported = True
+            logger.info("engine %s has no GenerateBatch; using a Generate call per request", self.target)
+        for entry in entries.values():
+            entry.over = True
+            if self.unsupported and not entry.stream.has_messages:
+                entry.stream.follow(self._stub.Generate(entry.request))
+            else:
+                entry.stream.end(error)
