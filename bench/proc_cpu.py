@@ -30,6 +30,22 @@ def tree_cpu_s(pid: int) -> float:
     return total
 
 
+def largest_descendant(pid: int) -> int | None:
+    """The descendant of `pid` with the most resident memory (the engine service's engine-core process, which
+    holds the model and the KV cache), or None when it has none."""
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return None
+    sizes = {}
+    for child in children:
+        try:
+            sizes[child.pid] = child.memory_info().rss
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return max(sizes, key=sizes.get) if sizes else None
+
+
 @dataclass(slots=True)
 class CpuMeter:
     """CPU seconds each named process tree spent between start() and stop()."""

@@ -35,12 +35,12 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 import grpc  # noqa: E402
 
-from bench.proc_cpu import CpuMeter  # noqa: E402
+from bench.proc_cpu import CpuMeter, largest_descendant  # noqa: E402
 from bench.serving import ENGINE_SERVICE, TEXTGEN_SERVICE, Service, engine_argv, salted, sampling_for  # noqa: E402
 from bench.serving import paired_ttfts, ttft_probe  # noqa: E402
 from bench.serving_metrics import percentile, summarize  # noqa: E402
 from bench.stack_procs import ENGINE, TEXTGEN, LoadPhase, OfflineRun, load_main, offline_main  # noqa: E402
-from bench.stack_report import (BOTH, CLIENT, DIRECT, OFFLINE, TOKENIZER, PathResult, StackReport,  # noqa: E402
+from bench.stack_report import (BOTH, CLIENT, DIRECT, ENGINE_CORE, OFFLINE, TOKENIZER, PathResult, StackReport,  # noqa: E402
                                 format_report, per_token_us, served_result)
 from llmserve.textgen.v1 import textgen_pb2, textgen_pb2_grpc  # noqa: E402
 from services.engine.serving.cli_args import add_engine_args, engine_args_from  # noqa: E402
@@ -189,7 +189,11 @@ def run_config(args, label: str, extra: tuple[list[str], list[str]], workload, p
         with grpc.insecure_channel(target) as channel:
             info = textgen_pb2_grpc.TextGenerationServiceStub(channel).GetModelInfo(textgen_pb2.GetModelInfoRequest())
         sampling = sampling_for(info.default_sampling, 0.0, 1).SerializeToString()
-        meter = CpuMeter({ENGINE: engine.proc.pid, TOKENIZER: tokenizer.proc.pid})
+        processes = {ENGINE: engine.proc.pid, TOKENIZER: tokenizer.proc.pid}
+        core_pid = largest_descendant(engine.proc.pid)
+        if core_pid is not None:
+            processes[ENGINE_CORE] = core_pid
+        meter = CpuMeter(processes)
         salts = iter(range(info.vocab_size - 1, 0, -1))
 
         def phase(path: str, tag: str, concurrency: int, num_requests: int, num_tokens: int | None = None,

@@ -12,6 +12,7 @@ from bench.serving_metrics import Stat, Summary
 
 OFFLINE, DIRECT, BOTH = "offline", "engine direct", "through both"
 ENGINE, TOKENIZER, CLIENT = "engine", "tokenizer", "client"
+ENGINE_CORE, ENGINE_FRONTS = "engine core", "engine fronts"  # the engine service split: its core process, the rest
 
 
 @dataclass(slots=True)
@@ -69,6 +70,9 @@ class StackReport:
         beyond = {}
         if ENGINE in row.cpu_us_per_token:
             beyond[ENGINE] = row.cpu_us_per_token[ENGINE] - self.offline_us()
+        if ENGINE_CORE in row.cpu_us_per_token:  # measured apart: the fronts' relay, and the core beyond offline
+            beyond[ENGINE_FRONTS] = row.cpu_us_per_token[ENGINE] - row.cpu_us_per_token[ENGINE_CORE]
+            beyond[ENGINE_CORE] = row.cpu_us_per_token[ENGINE_CORE] - self.offline_us()
         if row.path == BOTH and TOKENIZER in row.cpu_us_per_token:
             beyond[TOKENIZER] = row.cpu_us_per_token[TOKENIZER]
         return beyond

@@ -83,10 +83,16 @@ class BatchCall:
         return entry.stream
 
     def close(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
+        """Cancel the call (the engine aborts its requests); the streams still open end UNAVAILABLE."""
+        call, self._call = self._call, None
+        if call is not None:
+            call.cancel()
         for task in self._tasks:
             task.cancel()
+        entries, self._entries = self._entries, {}
+        for entry in entries.values():
+            entry.over = True
+            entry.stream.end(_unavailable(f"the client of engine {self.target} was closed"))
 
     def _cancel(self, entry: _Entry) -> None:
         if entry.over:
@@ -149,10 +155,11 @@ class BatchCall:
 
     def _lose(self, call, error: grpc.aio.AioRpcError | None) -> None:
         """The call ended: fail its requests with its status (or re-send them as Generate calls, see class)."""
-        if self._call is call:
-            self._call = None
-            self._tasks[0].cancel()
-            self._pending, self._pending_cancels, self._queue = engine_pb2.GenerateBatchRequest(), set(), []
+        if self._call is not call:  # closed by close(): its requests are the caller's to end
+            return
+        self._call = None
+        self._tasks[0].cancel()
+        self._pending, self._pending_cancels, self._queue = engine_pb2.GenerateBatchRequest(), set(), []
         entries, self._entries = self._entries, {}
         if error is not None and error.code() == grpc.StatusCode.UNIMPLEMENTED:
             self.unsupported = True

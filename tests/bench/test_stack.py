@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from bench import stack
-from bench.proc_cpu import CpuMeter, tree_cpu_s
+from bench.proc_cpu import CpuMeter, largest_descendant, tree_cpu_s
 from bench.serving_metrics import Stat
 from bench.stack_procs import ENGINE, LoadPhase
 from bench.stack_report import BOTH, DIRECT, OFFLINE, PathResult, StackReport, format_report
@@ -172,3 +172,37 @@ def test_report_has_a_row_per_path_ratios_and_cpu_beyond_the_model():
     table_rows = [line.split()[:3] for line in text.splitlines() if line.startswith(("- ", "workers")) and "|" in line]
     assert table_rows == [["-", "offline", "5000"], ["workers", "1", "engine"], ["workers", "1", "through"],
                           ["workers", "2", "through"]]
+
+
+def test_the_engine_split_charges_the_fronts_everything_but_the_core():
+    offline = _row("-", OFFLINE, 5000.0, {OFFLINE: 150.0})
+    row = _row("batched", BOTH, 2500.0, {"engine": 230.0, "engine core": 190.0, "tokenizer": 125.0})
+    report = StackReport("t", offline, [row], 0)
+    assert report.beyond_model_us(row) == {"engine": 80.0, "engine fronts": 40.0, "engine core": 40.0,
+                                           "tokenizer": 125.0}
+
+
+def test_the_engine_core_is_the_descendant_holding_the_most_memory():
+    parent_script = textwrap.dedent("""
+        import subprocess, sys
+        small = "import sys; sys.stdin.readline()"
+        big = "import sys; block = bytearray(64 << 20); block[::4096] = b'x' * (16 << 10); print(1, flush=True); " \\
+              "sys.stdin.readline()"
+        children = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                    for code in (small, big, small)]
+        children[1].stdout.readline()
+        print(" ".join(str(child.pid) for child in children), flush=True)
+        sys.stdin.readline()
+        for child in children:
+            child.stdin.close()
+            child.wait()
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", parent_script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        small, big, _ = (int(pid) for pid in parent.stdout.readline().split())
+        assert largest_descendant(parent.pid) == big
+        assert largest_descendant(small) is None
+    finally:
+        parent.stdin.close()
+        parent.wait(30)
