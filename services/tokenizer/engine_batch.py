@@ -20,6 +20,11 @@ from services.tokenizer.engine_client import EngineStream
 
 logger = logging.getLogger(__name__)
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+# The most bytes of requests one GenerateBatchRequest carries, unless it carries a single request: the engine
+# accepts messages up to 5 x max_model_len + 64 KiB (services/engine/serving/main.py), so a message within this
+# size, or holding one valid request, always fits. A burst of requests becomes several messages.
+MESSAGE_BUDGET_BYTES = 60 * 1024
+_FRAMING_BYTES = 4  # a repeated field's tag and length, for entries under 2 MiB
 _STATUS_DETAILS_KEY = "grpc-status-details-bin"
 
 
@@ -60,6 +65,7 @@ class BatchCall:
         self._entries: dict[str, _Entry] = {}
         self._pending = engine_pb2.GenerateBatchRequest()
         self._pending_cancels: set[str] = set()
+        self._pending_bytes = 0  # of the requests in _pending
         self._queue: list[engine_pb2.GenerateBatchRequest] = []
         self._news = asyncio.Event()
 
@@ -72,9 +78,10 @@ class BatchCall:
             return stream
         if self._call is None:
             self._connect()
+        size = request.ByteSize() + _FRAMING_BYTES
         if request_id in self._pending_cancels:  # the cancel of an earlier request of that id must go first
-            self._queue.append(self._pending)
-            self._pending, self._pending_cancels = engine_pb2.GenerateBatchRequest(), set()
+            self._start_message()
+        self._reserve(size)
         entry = _Entry(request, remaining=request.sampling.n if request.sampling.HasField("n") else 1)
         entry.stream = EngineStream(on_cancel=lambda: self._cancel(entry))
         self._entries[request_id] = entry
@@ -101,24 +108,43 @@ class BatchCall:
         request_id = entry.request.request_id
         del self._entries[request_id]
         if self._call is not None:
+            self._reserve(len(request_id) + _FRAMING_BYTES)
             self._pending.cancel_request_ids.append(request_id)
             self._pending_cancels.add(request_id)
             self._news.set()
+
+    def _reserve(self, size: int) -> None:
+        """Make room for `size` more bytes in the pending message, starting a new one past the budget."""
+        if self._pending_bytes and self._pending_bytes + size > MESSAGE_BUDGET_BYTES:
+            self._start_message()
+        self._pending_bytes += size
+
+    def _start_message(self) -> None:
+        self._queue.append(self._pending)
+        self._pending, self._pending_cancels, self._pending_bytes = engine_pb2.GenerateBatchRequest(), set(), 0
 
     def _connect(self) -> None:
         call = self._call = self._stub.GenerateBatch()
         self._tasks = [asyncio.create_task(self._write(call)), asyncio.create_task(self._read(call))]
 
     async def _write(self, call) -> None:
-        """Send what accumulated since the last write, one message (more only where order demands)."""
+        """Send what accumulated since the last write, one message (more where order or size demands).
+
+        Nothing is written before the engine's initial metadata: an engine without GenerateBatch ends the call
+        UNIMPLEMENTED at once, and a write racing that answer would turn the call's status into INTERNAL.
+        """
         try:
+            await call.initial_metadata()
+            if call.done():
+                return
             while True:
                 await self._news.wait()
                 self._news.clear()
                 messages, self._queue = self._queue, []
                 if self._pending.requests or self._pending.cancel_request_ids:
                     messages.append(self._pending)
-                    self._pending, self._pending_cancels = engine_pb2.GenerateBatchRequest(), set()
+                    self._pending, self._pending_cancels, self._pending_bytes = (
+                        engine_pb2.GenerateBatchRequest(), set(), 0)
                 for message in messages:
                     await call.write(message)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
@@ -160,6 +186,7 @@ class BatchCall:
         self._call = None
         self._tasks[0].cancel()
         self._pending, self._pending_cancels, self._queue = engine_pb2.GenerateBatchRequest(), set(), []
+        self._pending_bytes = 0
         entries, self._entries = self._entries, {}
         if error is not None and error.code() == grpc.StatusCode.UNIMPLEMENTED:
             self.unsupported = True

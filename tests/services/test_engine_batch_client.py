@@ -51,6 +51,7 @@ class ScriptedEngine(engine_pb2_grpc.EngineServiceServicer):
         yield finished(request.request_id, [7, 8])
 
     async def GenerateBatch(self, request_iterator, context):
+        await context.send_initial_metadata(())  # as the engine does (the client waits for it)
         self.end_calls = asyncio.get_running_loop().create_future()
         reader = asyncio.ensure_future(self._read(request_iterator, context))
         code, details = await self.end_calls
@@ -223,3 +224,35 @@ def test_a_call_that_ends_fails_its_requests_with_its_status_and_the_next_reques
 
     run(scenario)
 
+
+
+def test_a_burst_of_requests_is_split_into_messages_the_engine_accepts():
+    from services.tokenizer.engine_batch import MESSAGE_BUDGET_BYTES
+
+    sizes = []
+
+    class SizingEngine(ScriptedEngine):
+        async def _read(self, request_iterator, context):
+            async for message in request_iterator:
+                sizes.append(message.ByteSize())
+                for each in message.requests:
+                    await context.write(engine_pb2.GenerateBatchResponse(responses=[finished(each.request_id, [1])]))
+
+    def long_request(request_id: str, num_ids: int) -> engine_pb2.GenerateRequest:
+        return engine_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=[40_000] * num_ids)  # 3 bytes each
+
+    async def scenario():
+        server, target = await serving(SizingEngine(None))
+        client = EngineClient(target, "fp")
+        try:
+            burst = [client.open_stream(long_request(f"r{i}", 3_000), None) for i in range(30)]  # ~9 KB each
+            huge = client.open_stream(long_request("huge", 30_000), None)  # ~90 KB: over the budget, alone
+            assert [await read_all(stream) for stream in [*burst, huge]] == [[1]] * 31
+            assert len(sizes) >= 6
+            assert max(size for size in sizes if size < 80_000) <= MESSAGE_BUDGET_BYTES
+            assert sum(size > MESSAGE_BUDGET_BYTES for size in sizes) == 1  # the huge one, by itself
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    run(scenario)

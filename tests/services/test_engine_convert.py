@@ -94,3 +94,24 @@ def test_prompt_logprobs_go_out_one_entry_per_prompt_token_the_first_empty():
     assert [(p.sampled.token_id, p.sampled.logprob) for p in rest] == [(8, -1.0), (9, -3.0)]
     assert [[(t.token_id, t.logprob) for t in p.top] for p in rest] == [[(8, -1.0), (4, -2.0)], [(5, -0.5), (9, -1.5)]]
     assert not response_from_output(output(None, [7]), RequestClock()).prompt_logprobs
+
+
+def test_a_batch_keeps_plain_outputs_and_errors_together_and_each_prompt_logprobs_output_apart():
+    from services.common.errors import QueueFullError
+    from services.engine.serving.batch_session import BatchOutputs, BatchRequest
+    from services.engine.serving.convert import batch_responses
+
+    clock = RequestClock()
+    request = BatchRequest("r", clock, scope=None)
+    prompt = PromptLogprobs(1, [5, 6], [-0.5, -0.25], [5, 6], [-0.5, -0.25])
+    outputs = [(request, RequestOutput("a", [1], None, 3, 1, 0)),
+               (request, RequestOutput("b", [2], None, 3, 1, 0, prompt_logprobs=prompt)),
+               (request, RequestOutput("c", [3], None, 3, 1, 0)),
+               (request, RequestOutput("d", [4], None, 3, 1, 0, prompt_logprobs=prompt))]
+    messages = batch_responses(BatchOutputs(outputs, [("e", QueueFullError("full"))]))
+    assert [[r.request_id for r in m.responses] for m in messages] == [["a", "c"], ["b"], ["d"]]
+    assert [[e.request_id for e in m.errors] for m in messages] == [["e"], [], []]
+    assert len(messages[1].responses[0].prompt_logprobs) == 3  # the first prompt token's entry is empty
+    assert batch_responses(BatchOutputs([], [])) == []
+    alone = batch_responses(BatchOutputs(outputs[1:2], []))
+    assert [[r.request_id for r in m.responses] for m in alone] == [["b"]]

@@ -78,16 +78,22 @@ def response_from_output(output: RequestOutput, timing: RequestClock,
     return response
 
 
-def batch_response(batch: BatchOutputs) -> engine_pb2.GenerateBatchResponse:
-    """One GenerateBatch message: each output as its Generate message, each error as the status Generate ends with."""
+def batch_responses(batch: BatchOutputs) -> list[engine_pb2.GenerateBatchResponse]:
+    """The GenerateBatch messages of one collect(): each output as its Generate message, each error as the status
+    Generate ends with. An output carrying prompt logprobs (up to ~1 MB for a long prompt) gets a message of its
+    own, so that a step finishing many such prompts never makes one message near the receiver's size limit."""
     response = engine_pb2.GenerateBatchResponse()
     add = response.responses.add
+    alone = []
     for request, output in batch.outputs:
-        response_from_output(output, request.clock, add())  # built in place: no copy into the batch
+        if output.prompt_logprobs is not None:
+            alone.append(engine_pb2.GenerateBatchResponse(responses=[response_from_output(output, request.clock)]))
+        else:
+            response_from_output(output, request.clock, add())  # built in place: no copy into the batch
     for request_id, exc in batch.errors:
         status = status_for(exc)
         response.errors.add(request_id=request_id).status.ParseFromString(status.SerializeToString())
-    return response
+    return [response, *alone] if response.responses or response.errors else alone
 
 
 def position_logprobs(token_id: int, position: TokenLogprobs) -> common_pb2.PositionLogprobs:

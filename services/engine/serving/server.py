@@ -16,7 +16,7 @@ from services.common.validation import check_request_id, loggable_request_id
 from services.engine.serving.async_engine import AsyncEngine
 from services.engine.serving.batch_session import CANCELLED, BatchSession
 from services.engine.serving.convert import (
-    RequestClock, batch_response, completion_refs_from_proto, completion_refs_to_proto, kv_events_response, load_report,
+    RequestClock, batch_responses, completion_refs_from_proto, completion_refs_to_proto, kv_events_response, load_report,
     response_from_output, sampling_from_proto)
 from services.engine.core.request_validator import RequestValidator
 from services.engine.core.sampling_params import SamplingParams
@@ -85,6 +85,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         A reader task admits and cancels requests as they arrive; this coroutine writes. Written with
         context.write, so the call is a coroutine (grpc.aio picks the calling convention by type).
         """
+        await context.send_initial_metadata(())  # the contract: the caller may wait for it before writing
         session = BatchSession(self.engine, self.requests, _batch_code_of)
         reader = asyncio.ensure_future(self._read_batch(request_iterator, session))
         reader.add_done_callback(lambda _: session.wakeup.set())
@@ -93,9 +94,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         try:
             while True:
                 await session.wakeup.wait()
-                batch = session.collect()
-                if batch.outputs or batch.errors:
-                    await context.write(batch_response(batch))
+                for message in batch_responses(session.collect()):
+                    await context.write(message)
                 if reader.done() and reader.exception() is not None:
                     raise reader.exception()
                 if not session.requests and (reader.done() or self.state.draining):

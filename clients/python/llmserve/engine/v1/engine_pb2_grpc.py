@@ -139,7 +139,10 @@ class EngineServiceServicer:
         Ending the stream, from either side, aborts every request still in
         flight on it. While the engine drains, new requests get UNAVAILABLE
         errors and the stream ends with status OK once its requests have ended.
-        A message that does not parse ends the stream with INVALID_ARGUMENT.
+        A message that does not parse ends the stream with INVALID_ARGUMENT. The
+        engine sends the stream's initial metadata as soon as it accepts the
+        call, before any request arrives, so a caller may wait for it before
+        writing (an engine without this method answers UNIMPLEMENTED instead).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
