@@ -8,7 +8,7 @@ import os
 import grpc
 from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc
 
-from services.common.errors import InvalidRequestError, UnavailableError
+from services.common.errors import EngineError, InvalidRequestError, UnavailableError
 from services.common.grpc_server import (
     MalformedRequest, MalformedStreamError, ServingState, request_id_var, status_code_name)
 from services.common.metrics import RequestObserver
@@ -114,6 +114,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 try:
                     prompt, sampling = self._validated(request)
                 except Exception as exc:  # noqa: BLE001 (the request's error entry; the call goes on)
+                    if not isinstance(exc, EngineError):  # an INTERNAL answer: keep its trace, as abort_with does
+                        logger.error("unhandled error", exc_info=exc)
                     session.fail(batch_request, exc)
                     continue
                 session.admit(batch_request, prompt, sampling)
