@@ -129,7 +129,8 @@ def is_retryable_elsewhere(exc: BaseException) -> bool:
 
 
 class EngineStream:
-    """One engine Generate call, read by its own task so that a slow client never holds up the engine stream.
+    """One engine request's messages, buffered so that a slow client never holds up the engine stream: fed by the
+    worker's shared BatchCall (services.tokenizer.engine_batch), or read from a Generate call by its own task.
 
     take() returns every token id that arrived since the previous take(), with the newest engine message (its
     usage and finish reason are the current ones), so a client that reads slower than the engine streams gets
