@@ -1,8 +1,16 @@
-"""The vectorized sampler: greedy, filters, temperature and per-request seeds."""
+"""The vectorized sampler: greedy, filters, temperature and per-request seeds.
+
+Every test runs twice: with top-p's candidates (sampler.TOP_P_CANDIDATES) above this vocabulary, so top-p sorts
+the whole of it, and with just 2 candidates, so rows go through _mask_among_candidates (and its fall-back to
+the full sort whenever the survivors do not fit among them): both ways must filter alike.
+"""
 
 import math
 
+import pytest
 import torch
+
+from services.engine.runner import sampler as sampler_module
 
 from services.engine.core.sampling_params import MIN_TEMPERATURE, SamplingParams
 from services.engine.runner.sampler import Sampler
@@ -11,6 +19,12 @@ from tests.runner.helpers import make_seq
 
 CPU = torch.device("cpu")
 VOCAB = 1000
+
+
+@pytest.fixture(autouse=True, params=[VOCAB + 24, 2], ids=["full-sort", "2-candidates"])
+def top_p_candidates(request, monkeypatch):
+    monkeypatch.setattr(sampler_module, "TOP_P_CANDIDATES", request.param)
+    return request.param
 
 
 def _seqs(params: list[SamplingParams], num_completion_tokens: int = 0):
