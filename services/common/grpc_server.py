@@ -173,7 +173,9 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             )
         if handler.stream_stream is not None:
             return grpc.stream_stream_rpc_method_handler(
-                _wrap_bidi(handler.stream_stream, tracked),
+                # the same wrapping in either convention: a MalformedRequest reaches the behavior inside the
+                # request iterator, and GenerateBatch raises MalformedStreamError for it
+                _wrap_stream(handler.stream_stream, tracked),
                 request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
@@ -212,35 +214,6 @@ def _wrap_stream(behavior, state: "ServingState | None"):
                 async for response in behavior(request, context):
                     yield response
             except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit):
-                raise
-            except Exception as exc:
-                await abort_with(context, exc)
-
-    return wrapped
-
-
-def _wrap_bidi(behavior, state: "ServingState | None"):
-    """A bidirectional call: a message that does not parse reaches the behavior as a MalformedRequest, for it to
-    raise MalformedStreamError. Either calling convention: a coroutine writing with `await context.write(...)`
-    (GenerateBatch) or an async generator (grpc's reflection service)."""
-    if not inspect.iscoroutinefunction(behavior):
-        async def relayed(request_iterator, context):
-            with _in_flight(state):
-                try:
-                    async for response in behavior(request_iterator, context):
-                        yield response
-                except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit):
-                    raise
-                except Exception as exc:
-                    await abort_with(context, exc)
-
-        return relayed
-
-    async def wrapped(request_iterator, context):
-        with _in_flight(state):
-            try:
-                return await behavior(request_iterator, context)
-            except (grpc.aio.AbortError, asyncio.CancelledError):
                 raise
             except Exception as exc:
                 await abort_with(context, exc)

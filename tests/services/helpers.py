@@ -79,6 +79,11 @@ def field_violations(error: grpc.RpcError) -> list[str]:
     status = rpc_status.from_call(error)
     assert status is not None, f"no google.rpc.Status in the trailers of {error!r}"
     assert status.code == error.code().value[0]
+    return bad_request_fields(status)
+
+
+def bad_request_fields(status) -> list[str]:
+    """The google.rpc.BadRequest field names in a google.rpc.Status (or anything with its wire form)."""
     fields = []
     for detail in status.details:
         if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):

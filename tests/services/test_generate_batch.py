@@ -13,13 +13,13 @@ import threading
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2, status_pb2
+from google.rpc import status_pb2
 
 from llmserve.common.v1 import common_pb2
 from llmserve.engine.v1 import engine_pb2
 from tests.services.engine_pause import (
     assert_freed_within_steps, engine_core_pid, paused, wait_requests_finished)
-from tests.services.helpers import wait_engine_idle
+from tests.services.helpers import bad_request_fields, wait_engine_idle
 
 CALL_TIMEOUT_S = 120
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16, 17, 18, 19, 20, 21]]
@@ -74,14 +74,7 @@ class Caller:
 
 def field_violations(status: engine_pb2.RequestStatus) -> list[str]:
     """RequestStatus has google.rpc.Status's wire form: parse it as one and read its BadRequest."""
-    rpc = status_pb2.Status.FromString(status.SerializeToString())
-    fields = []
-    for detail in rpc.details:
-        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad_request = error_details_pb2.BadRequest()
-            detail.Unpack(bad_request)
-            fields += [violation.field for violation in bad_request.field_violations]
-    return fields
+    return bad_request_fields(status_pb2.Status.FromString(status.SerializeToString()))
 
 
 def generate_alone(engine_stub, request: engine_pb2.GenerateRequest) -> list[int]:
