@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import multiprocessing as mp
 import threading
 import time
@@ -30,7 +31,9 @@ from services.engine.core.engine import EngineCore
 from services.engine.core.interfaces import RequestOutput, SchedulerOutput
 from services.engine.core.sampling_params import SamplingParams
 from services.engine.core.sequence import FinishReason
+from services.common.metrics import RequestObserver
 from services.engine.serving.async_engine import AsyncEngine
+from services.engine.serving.batch_session import BatchSession
 from services.engine.serving.engine_process import CoreLoop, EngineDescription
 from services.engine.core.request_validator import RequestValidator
 from services.engine.serving.server import SERVICE_NAME, EngineServicer
@@ -288,6 +291,36 @@ def test_a_stream_interval_sends_the_first_token_alone_then_every_n_tokens_and_t
             last = await anext(stream)
             assert last.new_token_ids == [runner.token("a", 4), runner.token("a", 5)]
             assert last.finish_reason == FinishReason.LENGTH
+
+    run(scenario())
+
+
+def test_a_batch_session_collects_by_the_stream_interval_too():
+    """A GenerateBatch call's session (one StreamSink for many requests) gets a request's outputs in the same
+    chunks as a Generate reader: the first token alone, then every 3, the finish at once; a collect() between
+    them finds nothing."""
+    async def scenario() -> None:
+        runner = GatedRunner()
+        async with harness(runner, num_blocks=16, stream_interval=3) as h:
+            session = BatchSession(h.engine, RequestObserver(logging.getLogger(__name__)), lambda exc: "ERROR")
+            session.admit(session.start("a"), prompt(4), greedy(6))
+
+            async def chunk() -> list[int]:
+                await asyncio.wait_for(session.wakeup.wait(), STEP_TIMEOUT_S)
+                outputs = session.collect().outputs
+                assert len(outputs) == 1
+                return outputs[0][1].new_token_ids
+
+            runner.release(1)
+            assert await chunk() == [runner.token("a", 0)]
+            runner.release(2)
+            await until(lambda: h.engine.stats().num_generated_tokens == 3, "two more steps")
+            assert session.collect().outputs == []  # two pending tokens are fewer than the interval
+            runner.release(1)
+            assert await chunk() == [runner.token("a", i) for i in (1, 2, 3)]
+            runner.release(2)
+            assert await chunk() == [runner.token("a", 4), runner.token("a", 5)]
+            assert not session.requests  # the finish ended the request
 
     run(scenario())
 

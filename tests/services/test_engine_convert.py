@@ -102,7 +102,7 @@ def test_a_batch_keeps_plain_outputs_and_errors_together_and_each_prompt_logprob
     from services.engine.serving.convert import batch_responses
 
     clock = RequestClock()
-    request = BatchRequest("r", clock, scope=None)
+    request = BatchRequest("r", clock, scope=None, record=None)
     prompt = PromptLogprobs(1, [5, 6], [-0.5, -0.25], [5, 6], [-0.5, -0.25])
     outputs = [(request, RequestOutput("a", [1], None, 3, 1, 0)),
                (request, RequestOutput("b", [2], None, 3, 1, 0, prompt_logprobs=prompt)),

@@ -75,10 +75,9 @@ class _Stream:
         self.num_completion_tokens += len(ids)
         prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
         finished = self.finished
-        if finished is None:
+        if finished is None:  # every step of every request: positional, as keywords cost more per call
             return RequestOutput(self.request_id, ids, None, self.num_prompt_tokens, self.num_completion_tokens,
-                                 self.num_cached_tokens, logprobs=logprobs, index=self.index,
-                                 prompt_logprobs=prompt_logprobs)
+                                 self.num_cached_tokens, None, None, logprobs, self.index, False, prompt_logprobs)
         return RequestOutput(self.request_id, ids, FinishReason(finished.finish_reason), finished.num_prompt_tokens,
                              finished.num_completion_tokens, finished.num_cached_tokens,
                              finished.matched_stop_token_id, queue_time_s=finished.queue_time_s, logprobs=logprobs,

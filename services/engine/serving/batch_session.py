@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.common.convert import RequestClock
-from services.common.metrics import RequestObserver, RequestScope
+from services.common.metrics import RequestObserver, RequestRecord, RequestScope
 from services.common.validation import loggable_request_id
 from services.engine.core.interfaces import RequestOutput
 from services.engine.core.sampling_params import SamplingParams
@@ -27,6 +27,7 @@ class BatchRequest:
     request_id: str
     clock: RequestClock
     scope: RequestScope
+    record: RequestRecord  # scope.record, read on every output
     streams: list = field(default_factory=list)
     unfinished: set[int] = field(default_factory=set)
 
@@ -65,11 +66,11 @@ class BatchSession:
         clock = RequestClock()
         scope = self.observer.track(loggable_request_id(request_id), clock, self.code_of)
         scope.__enter__()
-        return BatchRequest(request_id, clock, scope)
+        return BatchRequest(request_id, clock, scope, scope.record)
 
     def admit(self, request: BatchRequest, prompt: list[int], sampling: SamplingParams) -> None:
         """Open a validated request on the engine; a refusal (duplicate id, engine gone) fails it at once."""
-        record = request.scope.record
+        record = request.record
         record.num_prompt_tokens, record.admitted = len(prompt), True
         try:
             request.streams = self.engine.open(request.request_id, prompt, sampling, sink=self)
@@ -102,9 +103,9 @@ class BatchSession:
         ready, self._ready = self._ready, {}
         errors, self._errors = self._errors, []
         outputs = []
-        interval = self.engine.stream_interval
-        for stream in ready.values():
-            request = self.requests.get(stream.request_id)
+        requests = self.requests
+        for stream in ready.values():  # each reported has_output() and nothing took its output since
+            request = requests.get(stream.request_id)
             if request is None or stream.index not in request.unfinished:
                 continue
             if stream.error is not None:  # refused by the core, or the core is gone: nothing to abort
@@ -112,15 +113,13 @@ class BatchSession:
                 errors.append((request.request_id, stream.error))
                 self._end(request, stream.error)
                 continue
-            if not stream.has_output(interval):
-                continue
             output = stream.take()
             self._observe(request, output)
             outputs.append((request, output))
         return BatchOutputs(outputs, errors)
 
     def _observe(self, request: BatchRequest, output: RequestOutput) -> None:
-        record = request.scope.record
+        record = request.record
         if output.new_token_ids:
             request.clock.mark_token()
         record.num_completion_tokens = output.num_completion_tokens

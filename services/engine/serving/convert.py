@@ -59,7 +59,8 @@ def response_from_output(output: RequestOutput, timing: RequestClock,
     if response is None:
         response = engine_pb2.GenerateResponse()
     response.request_id = output.request_id
-    response.index = output.index
+    if output.index:
+        response.index = output.index
     response.token_ids.extend(output.new_token_ids)
     usage = response.usage
     usage.prompt_tokens = output.num_prompt_tokens
