@@ -4,8 +4,9 @@ A bare grpc.aio server in its own process streams small textgen GenerateResponse
 text and one token id, as the tokenizer service sends at one token per message) on concurrent streams to a
 client process; the server's CPU over the run, divided by the messages, is the gRPC stack's own cost per
 message. Both calling conventions are timed, alternating: a handler that awaits `context.write` and one that
-yields. The tokenizer service cannot spend less per token than this while it sends one message per token
-(`--stream-interval` on the engine, or a client that reads slower, makes messages carry several tokens).
+yields; and, for comparison, grpc's synchronous server (a generator per stream on a thread pool). The tokenizer
+service cannot spend less per token than this while it sends one message per token (`--stream-interval` on the
+engine, or a client that reads slower, makes messages carry several tokens).
 
     python bench/grpc_message_cost.py [--streams 64] [--messages 400] [--repeats 2]
 """
@@ -15,6 +16,7 @@ import asyncio
 import multiprocessing as mp
 import os
 import sys
+from concurrent import futures
 
 sys.path[:0] = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "clients", "python")]
 
@@ -23,7 +25,8 @@ import psutil  # noqa: E402
 
 from llmserve.textgen.v1 import textgen_pb2, textgen_pb2_grpc  # noqa: E402
 
-MODES = ("context.write", "yield")
+SYNC_THREADS = 1024  # the sync server holds a pool thread per open stream: enough for any --streams here
+MODES = ("context.write", "yield", "sync")  # "sync": grpc.server on a thread pool, yielding
 
 
 def _handler(mode: str, num_messages: int):
@@ -40,7 +43,26 @@ def _handler(mode: str, num_messages: int):
     return generate
 
 
+def _serve_sync(num_messages: int, ports: mp.Queue) -> None:
+    def generate(request, context):
+        for i in range(num_messages):
+            yield textgen_pb2.GenerateResponse(request_id="r", text="ab", token_ids=[i])
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=SYNC_THREADS))
+    servicer = textgen_pb2_grpc.TextGenerationServiceServicer()
+    servicer.Generate = generate
+    textgen_pb2_grpc.add_TextGenerationServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    ports.put(port)
+    server.wait_for_termination()
+
+
 def _serve(mode: str, num_messages: int, ports: mp.Queue) -> None:
+    if mode == "sync":
+        _serve_sync(num_messages, ports)
+        return
+
     async def main() -> None:
         server = grpc.aio.server()
         servicer = textgen_pb2_grpc.TextGenerationServiceServicer()
@@ -98,12 +120,14 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     for _ in range(args.repeats):
         for mode in MODES:
             results[mode].append(measure(mode, args.streams, args.messages))
-    print(f"grpc.aio server CPU per streamed message, {args.streams} streams x {args.messages} messages:")
+    print(f"grpc server CPU per streamed message, {args.streams} streams x {args.messages} messages:")
     for mode, values in results.items():
         print(f"  {mode:<14} " + ", ".join(f"{value:.1f}" for value in values) + " µs")
-    best_write, best_yield = min(results["context.write"]), min(results["yield"])
-    ratio = f"{best_yield / best_write:.2f}" if best_write > 0 else "n/a (too few messages for the CPU clock)"
-    print(f"yield / context.write (best of each): {ratio}")
+    best_write = min(results["context.write"])
+    for mode, label in (("yield", "yield"), ("sync", "sync server")):
+        best = min(results[mode])
+        ratio = f"{best / best_write:.2f}" if best_write > 0 else "n/a (too few messages for the CPU clock)"
+        print(f"{label} / context.write (best of each): {ratio}")
     return results
 
 
