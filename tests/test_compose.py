@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import re
 import shutil
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from llmserve import cli as llmserve_cli
 from llmserve.engine.v1 import engine_pb2
 from llmserve.textgen.v1 import textgen_pb2
 
@@ -120,12 +120,20 @@ def test_the_engine_scales_and_the_tokenizer_finds_every_replica_by_dns(compose,
     assert [target.resolvable for target in args.engine_targets] == [True]
 
 
+def _seconds(duration: str) -> float:
+    """A compose duration such as "5s" or "1m30s" in seconds."""
+    units = {"ms": 1e-3, "s": 1, "m": 60, "h": 3600}
+    return sum(float(value) * units[unit] for value, unit in re.findall(r"([\d.]+)(ms|s|m|h)", duration))
+
+
 @pytest.mark.parametrize("name, service_name", [("engine", ENGINE_SERVICE), ("tokenizer", TEXTGEN_SERVICE)])
 def test_healthchecks_probe_the_services_own_port_and_readiness(compose, scripts, name, service_name):
     service = compose["services"][name]
     _, args = parse_command(service, scripts)
-    kind, program, flag, module, target, probed = service["healthcheck"]["test"]
-    assert (kind, program, flag) == ("CMD", "python", "-m")
-    assert importlib.util.find_spec(module) is not None and module == "services.common.healthcheck"
-    assert target == f"127.0.0.1:{args.port}"
-    assert probed == service_name
+    kind, program, *flags = service["healthcheck"]["test"]
+    assert (kind, program) == ("CMD", "llmserve")  # the client CLI, installed in both images
+    probe = llmserve_cli.build_parser().parse_args(flags)
+    assert probe.command == "health"
+    assert probe.target == f"127.0.0.1:{args.port}"
+    assert probe.service == service_name
+    assert probe.timeout is not None and probe.timeout < _seconds(service["healthcheck"]["timeout"])

@@ -19,7 +19,7 @@ RPC_MODULES = ("grpc", "grpc_health", "grpc_reflection", "grpc_status", "google.
 CORE_FORBIDDEN = ("torch", "numpy", "triton", *RPC_MODULES)
 # The gRPC boundary: the only files that may import grpc or generated protobuf code.
 RPC_FILE_NAMES = {"server.py", "convert.py", "engine_client.py", "engine_batch.py"}  # engine_batch: the client of GenerateBatch
-RPC_COMMON_FILES = {"services/common/grpc_server.py", "services/common/healthcheck.py"}
+RPC_COMMON_FILES = {"services/common/grpc_server.py"}
 MODEL_PACKAGES = ("runner", "models", "layers", "kernels", "loader")
 
 
