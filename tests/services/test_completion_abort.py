@@ -26,8 +26,8 @@ from services.engine.core.request_validator import RequestValidator
 from services.engine.core.sampling_params import SamplingParams
 from services.engine.core.sequence import FinishReason
 from services.engine.serving.server import SERVICE_NAME as ENGINE_SERVICE, EngineServicer
-from services.tokenizer.engine_client import EngineClient
-from services.tokenizer.server import SERVICE_NAME as TEXTGEN_SERVICE, TextGenerationServicer
+from services.tokenizer.serving.engine_client import EngineClient
+from services.tokenizer.serving.server import SERVICE_NAME as TEXTGEN_SERVICE, TextGenerationServicer
 from services.tokenizer.tokenizer import TextTokenizer
 from tests.services.test_async_engine import EOS_ID, STEP_TIMEOUT_S, VOCAB_SIZE, GatedRunner, harness, run, until
 from tests.tokenizer.helpers import build_tiny_tokenizer_dir
@@ -195,7 +195,7 @@ def test_a_stop_string_in_one_completion_aborts_it_in_the_engine(word_tokenizer)
 def test_both_services_refuse_a_best_of_out_of_range_naming_the_field(n, best_of, word_tokenizer):
     from services.common.errors import InvalidRequestError
     from services.engine.serving.convert import sampling_from_proto
-    from services.tokenizer.convert import resolve_sampling
+    from services.tokenizer.serving.convert import resolve_sampling
 
     proto = common_pb2.SamplingParams(max_tokens=4, n=n, best_of=best_of)
     with pytest.raises(InvalidRequestError) as engine_error:

@@ -28,9 +28,9 @@ from services.common.validation import MAX_REQUEST_ID_LEN
 from services.engine.core.request_validator import RequestValidator
 from services.engine.serving.convert import sampling_from_proto
 from services.engine.serving.server import SERVICE_NAME as ENGINE_SERVICE, EngineServicer
-from services.tokenizer.convert import ResolvedRequest
+from services.tokenizer.serving.convert import ResolvedRequest
 from services.tokenizer.limits import InputLimits
-from services.tokenizer.server import SERVICE_NAME as TEXTGEN_SERVICE, TextGenerationServicer
+from services.tokenizer.serving.server import SERVICE_NAME as TEXTGEN_SERVICE, TextGenerationServicer
 
 from tests.tokenizer.conftest import text_tokenizer  # noqa: F401 (a fixture)
 
@@ -212,7 +212,7 @@ def test_a_retry_delay_of_seconds_is_encoded_whole():
 
 @pytest.mark.parametrize("temperature", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
 def test_the_engine_refuses_a_temperature_the_tokenizer_service_refuses(temperature, text_tokenizer):
-    from services.tokenizer.convert import resolve_sampling
+    from services.tokenizer.serving.convert import resolve_sampling
 
     proto = common_pb2.SamplingParams(temperature=temperature, max_tokens=4)
     with pytest.raises(InvalidRequestError) as engine_error:
@@ -238,7 +238,7 @@ def test_a_full_context_prompt_without_max_tokens_blames_the_prompt_at_the_engin
                                            (dict(text="x"), "text")], ids=["token ids", "text"])
 def test_a_full_context_prompt_without_max_tokens_blames_the_prompt_at_the_tokenizer_service(
         text_tokenizer, prompt, field):
-    from services.tokenizer.convert import resolve_generate
+    from services.tokenizer.serving.convert import resolve_generate
 
     request = textgen_pb2.GenerateRequest(**prompt)
     num_prompt_tokens = 64 if field != "text" else len(text_tokenizer.encode("x"))

@@ -1,4 +1,4 @@
-"""The tokenizer service's GenerateBatch client (services.tokenizer.engine_batch) against scripted engines.
+"""The tokenizer service's GenerateBatch client (services.tokenizer.serving.engine_batch) against scripted engines.
 
 Which call a request takes, how an errors entry becomes the AioRpcError a Generate call would have raised,
 what a cancel sends (and what it must not), the fallback to Generate calls on an engine without GenerateBatch,
@@ -16,7 +16,7 @@ from llmserve.common.v1 import common_pb2
 from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc
 from services.common.errors import InvalidRequestError, QueueFullError
 from services.common.grpc_server import status_for
-from services.tokenizer.engine_client import EngineClient, is_retryable_elsewhere, upstream_error
+from services.tokenizer.serving.engine_client import EngineClient, is_retryable_elsewhere, upstream_error
 
 WAIT_S = 30.0
 
@@ -227,7 +227,7 @@ def test_a_call_that_ends_fails_its_requests_with_its_status_and_the_next_reques
 
 
 def test_a_burst_of_requests_is_split_into_messages_the_engine_accepts():
-    from services.tokenizer.engine_batch import MESSAGE_BUDGET_BYTES
+    from services.tokenizer.serving.engine_batch import MESSAGE_BUDGET_BYTES
 
     sizes = []
 

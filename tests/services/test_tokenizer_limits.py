@@ -17,9 +17,9 @@ from llmserve.common.v1 import common_pb2
 from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc
 from llmserve.textgen.v1 import textgen_pb2, textgen_pb2_grpc
 from services.common.grpc_server import ServingState, build_server
-from services.tokenizer.engine_client import EngineClient
+from services.tokenizer.serving.engine_client import EngineClient
 from services.tokenizer.limits import INLINE_MAX_CHARS, InputLimits
-from services.tokenizer.server import SERVICE_NAME, TextGenerationServicer
+from services.tokenizer.serving.server import SERVICE_NAME, TextGenerationServicer
 from services.tokenizer.tokenizer import TextTokenizer
 from tests.services.helpers import field_violations
 

@@ -11,7 +11,7 @@ from llmserve.common.v1 import common_pb2
 from llmserve.textgen.v1 import textgen_pb2
 from services.common.errors import InvalidRequestError
 from services.common.grpc_server import status_for
-from services.tokenizer.convert import prompt_ids, resolve_generate, resolve_sampling
+from services.tokenizer.serving.convert import prompt_ids, resolve_generate, resolve_sampling
 
 VOCAB_SIZE = 100
 MAX_MODEL_LEN = 32

@@ -1,4 +1,4 @@
-"""The tokenizer service over several engine replicas (services/tokenizer/engine_pool.py), against in-process
+"""The tokenizer service over several engine replicas (services/tokenizer/serving/engine_pool.py), against in-process
 fake engines (tests/tokenizer/fake_engine.py): failover, rejoin, RESOURCE_EXHAUSTED retries, DNS changes and
 prefix routing fed by KV events. Every wait is on a condition, bounded only so that a bug fails instead of hangs.
 """
@@ -18,11 +18,11 @@ from llmserve.common.v1 import common_pb2
 from llmserve.textgen.v1 import textgen_pb2, textgen_pb2_grpc
 from services.common.block_hash import prompt_block_hashes
 from services.common.grpc_server import ServingState, build_server
-from services.tokenizer.engine_client import EngineClient
-from services.tokenizer.engine_pool import EnginePool
+from services.tokenizer.serving.engine_client import EngineClient
+from services.tokenizer.serving.engine_pool import EnginePool
 from services.tokenizer.routing import Routing
 from services.tokenizer.routing_targets import EngineTarget, parse_targets
-from services.tokenizer.server import SERVICE_NAME, TextGenerationServicer, health_follower
+from services.tokenizer.serving.server import SERVICE_NAME, TextGenerationServicer, health_follower
 from services.tokenizer.tokenizer import TextTokenizer
 from tests.tokenizer.fake_engine import BLOCK_SIZE, FakeEngine
 from tests.tokenizer.helpers import build_tiny_tokenizer_dir

@@ -7,8 +7,8 @@ import pytest
 
 from llmserve.common.v1 import common_pb2
 from llmserve.engine.v1 import engine_pb2
-from services.tokenizer.engine_client import EngineStream
-from services.tokenizer.server import _push, client_logprobs
+from services.tokenizer.serving.engine_client import EngineStream
+from services.tokenizer.serving.server import _push, client_logprobs
 from services.tokenizer.text_stream import TextStream
 
 

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from services.tokenizer.main import parse_args
+from services.tokenizer.serving.main import parse_args
 from services.tokenizer.routing import Routing
 from services.tokenizer.routing_targets import EngineTarget, parse_targets, resolve_with_getaddrinfo
 

@@ -14,8 +14,8 @@ from services.common.metrics import RequestObserver, RequestRecord, observe_many
 from services.engine.core.interfaces import EngineStats
 from services.engine.core.sampling_params import SamplingParams
 from services.engine.serving.metrics import EngineMetrics, EngineStatsCollector
-from services.tokenizer import metrics as tokenizer_metrics
-from services.tokenizer.metrics import TokenizerMetrics
+from services.tokenizer.serving import metrics as tokenizer_metrics
+from services.tokenizer.serving.metrics import TokenizerMetrics
 from tests.unit.test_engine_core import make_engine, prompt, run_all
 
 LENGTH, STOP = 1, 2

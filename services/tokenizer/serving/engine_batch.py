@@ -16,7 +16,7 @@ from llmserve.engine.v1 import engine_pb2
 
 from services.common.errors import DuplicateRequestError
 from services.common.grpc_server import status_for
-from services.tokenizer.engine_client import EngineStream
+from services.tokenizer.serving.engine_client import EngineStream
 
 logger = logging.getLogger(__name__)
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}

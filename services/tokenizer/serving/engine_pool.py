@@ -17,8 +17,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from services.common.errors import UnavailableError
-from services.tokenizer.engine_client import EngineClient, KvEventsEnded, watch_engine
-from services.tokenizer.metrics import record_routing
+from services.tokenizer.serving.engine_client import EngineClient, KvEventsEnded, watch_engine
+from services.tokenizer.serving.metrics import record_routing
 from services.tokenizer.routing import Replica, Router, Routing
 from services.tokenizer.routing_targets import EngineTarget, Resolver, resolve_with_getaddrinfo
 

@@ -13,12 +13,12 @@ from services.common.errors import UnavailableError
 from services.common.grpc_server import ServingState, request_id_var, status_code_name
 from services.common.metrics import RequestObserver, RequestRecord
 from services.common.validation import check_request_id, loggable_request_id
-from services.tokenizer.convert import ResolvedRequest, check_ids, prompt_ids, resolve_generate
-from services.tokenizer.engine_client import (
+from services.tokenizer.serving.convert import ResolvedRequest, check_ids, prompt_ids, resolve_generate
+from services.tokenizer.serving.engine_client import (
     EngineClient, EngineStream, is_retryable_elsewhere, upstream_error, watch_engine)
-from services.tokenizer.engine_pool import EnginePool, Member, SingleEngine
+from services.tokenizer.serving.engine_pool import EnginePool, Member, SingleEngine
 from services.tokenizer.limits import INLINE_MAX_CHARS, InputLimits
-from services.tokenizer.metrics import record_engine_result
+from services.tokenizer.serving.metrics import record_engine_result
 from services.tokenizer.text_stream import TextStream
 from services.tokenizer.tokenizer import TextTokenizer
 
@@ -32,7 +32,7 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
     def __init__(self, tokenizer: TextTokenizer, engines: EnginePool | EngineClient, state: ServingState,
                  default_max_tokens: int = 256, limits: InputLimits | None = None, metrics=None):
         """engines: the EnginePool, or one EngineClient that the caller keeps checked (keep_health_in_step).
-        metrics: this worker's TokenizerMetrics (services.tokenizer.metrics), or None when they are off."""
+        metrics: this worker's TokenizerMetrics (services.tokenizer.serving.metrics), or None when they are off."""
         self.tokenizer = tokenizer
         self.requests = RequestObserver(logger, metrics)
         self.limits = limits if limits is not None else InputLimits.of(tokenizer)

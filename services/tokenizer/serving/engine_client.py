@@ -26,7 +26,7 @@ class EngineClient:
     """Calls the engine service and tracks whether it is reachable and built for our tokenizer."""
 
     def __init__(self, target: str, fingerprint: str, batched: bool = True):
-        """batched: send requests on one shared GenerateBatch call (services.tokenizer.engine_batch) rather
+        """batched: send requests on one shared GenerateBatch call (services.tokenizer.serving.engine_batch) rather
         than a Generate call each."""
         self.target = target
         self.fingerprint = fingerprint
@@ -34,7 +34,7 @@ class EngineClient:
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
         self._batch = None
         if batched:
-            from services.tokenizer.engine_batch import BatchCall  # it builds on EngineStream, below
+            from services.tokenizer.serving.engine_batch import BatchCall  # it builds on EngineStream, below
 
             self._batch = BatchCall(self.stub, target)
         self.info: engine_pb2.GetEngineInfoResponse | None = None
@@ -130,7 +130,7 @@ def is_retryable_elsewhere(exc: BaseException) -> bool:
 
 class EngineStream:
     """One engine request's messages, buffered so that a slow client never holds up the engine stream: fed by the
-    worker's shared BatchCall (services.tokenizer.engine_batch), or read from a Generate call by its own task.
+    worker's shared BatchCall (services.tokenizer.serving.engine_batch), or read from a Generate call by its own task.
 
     take() returns every token id that arrived since the previous take(), with the newest engine message (its
     usage and finish reason are the current ones), so a client that reads slower than the engine streams gets

@@ -71,10 +71,10 @@ async def serve(args: argparse.Namespace, port: int, workers: WorkerGroup | None
                 endpoint: MetricsEndpoint | None = None) -> None:
     """One relay process on `port`; the first one (the caller of main) also supervises `workers` and serves
     the metrics `endpoint`."""
-    from services.tokenizer.engine_client import EngineClient
-    from services.tokenizer.engine_pool import EnginePool
+    from services.tokenizer.serving.engine_client import EngineClient
+    from services.tokenizer.serving.engine_pool import EnginePool
     from services.tokenizer.limits import InputLimits
-    from services.tokenizer.server import SERVICE_NAME, TextGenerationServicer, health_follower
+    from services.tokenizer.serving.server import SERVICE_NAME, TextGenerationServicer, health_follower
     from services.tokenizer.tokenizer import TextTokenizer
 
     tokenizer = await asyncio.to_thread(TextTokenizer.load, args.model)
@@ -107,7 +107,7 @@ def _metrics(args: argparse.Namespace):
     """This worker's TokenizerMetrics when --metrics-port is set (in the directory the parent prepared)."""
     if not args.metrics_port:
         return None
-    from services.tokenizer import metrics
+    from services.tokenizer.serving import metrics
 
     return metrics.enable()
 
