@@ -77,23 +77,24 @@ def assert_draining(process: ServiceProcess, existing: grpc.Channel, service: st
     assert process.proc.poll() is None, "exited with a stream in flight"
 
 
+def greedy_request(request_id: str) -> engine_pb2.GenerateRequest:
+    """A short greedy request of NUM_TOKENS tokens for the engine."""
+    return engine_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=[10, 11, 12],
+                                      sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS,
+                                                                         ignore_eos=True))
+
+
 def test_engine_drain_answers_until_its_last_stream_ends_then_exits_zero(tiny_dir):
     engine = start_engine(tiny_dir)
     try:
         with grpc.insecure_channel(engine.target) as existing:
             stub = engine_pb2_grpc.EngineServiceStub(existing)
-
-            def request(request_id: str) -> engine_pb2.GenerateRequest:
-                return engine_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=[10, 11, 12],
-                                                  sampling=common_pb2.SamplingParams(
-                                                      temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True))
-
-            call = stub.Generate(request("in-flight"), timeout=CALL_TIMEOUT_S)
+            call = stub.Generate(greedy_request("in-flight"), timeout=CALL_TIMEOUT_S)
             token_ids = list(next(call).token_ids)
             with paused(core_pid(engine)):
                 engine.proc.send_signal(signal.SIGTERM)
                 assert_draining(engine, existing, ENGINE_SERVICE,
-                                lambda: list(stub.Generate(request("late"), timeout=CALL_TIMEOUT_S)))
+                                lambda: list(stub.Generate(greedy_request("late"), timeout=CALL_TIMEOUT_S)))
             for response in call:
                 token_ids += response.token_ids
             assert len(token_ids) == NUM_TOKENS and response.finish_reason == common_pb2.FINISH_REASON_LENGTH
@@ -109,9 +110,7 @@ def test_engine_drain_ends_a_batch_stream_once_its_requests_have_and_refuses_new
             stub = engine_pb2_grpc.EngineServiceStub(existing)
 
             def message(request_id: str) -> engine_pb2.GenerateBatchRequest:
-                return engine_pb2.GenerateBatchRequest(requests=[engine_pb2.GenerateRequest(
-                    request_id=request_id, prompt_token_ids=[10, 11, 12], sampling=common_pb2.SamplingParams(
-                        temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True))])
+                return engine_pb2.GenerateBatchRequest(requests=[greedy_request(request_id)])
 
             outbox: queue.SimpleQueue = queue.SimpleQueue()
             outbox.put(message("in-flight"))

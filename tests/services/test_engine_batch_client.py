@@ -8,6 +8,7 @@ and a call that ends under its requests. Each engine is an in-process grpc.aio s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -90,6 +91,18 @@ async def serving(servicer):
     return server, f"127.0.0.1:{port}"
 
 
+@contextlib.asynccontextmanager
+async def client_of(servicer):
+    """A batched EngineClient of `servicer`, served in process; both closed on leaving."""
+    server, target = await serving(servicer)
+    client = EngineClient(target, "fp")
+    try:
+        yield client
+    finally:
+        await client.close()
+        await server.stop(None)
+
+
 def run(scenario):
     asyncio.run(asyncio.wait_for(scenario(), WAIT_S))
 
@@ -135,18 +148,13 @@ def test_an_errors_entry_raises_what_its_generate_call_would(error, retryable):
         return engine_pb2.GenerateBatchResponse(errors=[failed])
 
     async def scenario():
-        server, target = await serving(ScriptedEngine(answer))
-        client = EngineClient(target, "fp")
-        try:
+        async with client_of(ScriptedEngine(answer)) as client:
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await client.open_stream(request("bad"), None).take()
             assert caught.value.code().value[0] == status.code
             assert caught.value.details() == status.message
             assert is_retryable_elsewhere(caught.value) is retryable
             assert upstream_error(caught.value).status == status  # the client gets the engine's status as it is
-        finally:
-            await client.close()
-            await server.stop(None)
 
     run(scenario)
 
@@ -163,9 +171,7 @@ def test_a_cancel_is_sent_for_a_live_request_and_never_for_a_finished_one():
                 request_id=r.request_id, token_ids=[5])])
 
         engine = ScriptedEngine(answer)
-        server, target = await serving(engine)
-        client = EngineClient(target, "fp")
-        try:
+        async with client_of(engine) as client:
             done, live, pair = (client.open_stream(request("done"), None), client.open_stream(request("live"), None),
                                 client.open_stream(request("pair", n=2), None))
             assert await read_all(done) == [1]
@@ -180,9 +186,6 @@ def test_a_cancel_is_sent_for_a_live_request_and_never_for_a_finished_one():
             assert sorted(engine.cancels) == ["live", "pair"]
             # a message applies its requests, then its cancels: the reused "live" must come in a later message
             assert engine.log[3:] == [("request", "done"), ("cancel", "live"), ("cancel", "pair"), ("request", "live")]
-        finally:
-            await client.close()
-            await server.stop(None)
 
     run(scenario)
 
@@ -190,15 +193,10 @@ def test_a_cancel_is_sent_for_a_live_request_and_never_for_a_finished_one():
 def test_an_engine_without_generate_batch_gets_generate_calls_for_the_same_requests():
     async def scenario():
         engine = GenerateOnlyEngine()
-        server, target = await serving(engine)
-        client = EngineClient(target, "fp")
-        try:
+        async with client_of(engine) as client:
             assert await read_all(client.open_stream(request("first"), None)) == [7, 8]  # re-sent, not failed
             assert await read_all(client.open_stream(request("second"), None)) == [7, 8]
             assert [r.request_id for r in engine.generate_requests] == ["first", "second"]
-        finally:
-            await client.close()
-            await server.stop(None)
 
     run(scenario)
 
@@ -208,9 +206,7 @@ def test_a_call_that_ends_fails_its_requests_with_its_status_and_the_next_reques
         engine = ScriptedEngine(lambda r: engine_pb2.GenerateBatchResponse(responses=[engine_pb2.GenerateResponse(
             request_id=r.request_id, token_ids=[4])]) if r.request_id == "held" else
             engine_pb2.GenerateBatchResponse(responses=[finished(r.request_id, [9])]))
-        server, target = await serving(engine)
-        client = EngineClient(target, "fp")
-        try:
+        async with client_of(engine) as client:
             held = client.open_stream(request("held"), None)
             assert (await held.take())[0] == [4]
             engine.end_calls.set_result((grpc.StatusCode.UNAVAILABLE, "engine restarting"))
@@ -218,9 +214,6 @@ def test_a_call_that_ends_fails_its_requests_with_its_status_and_the_next_reques
                 await held.take()
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
             assert await read_all(client.open_stream(request("next"), None)) == [9]
-        finally:
-            await client.close()
-            await server.stop(None)
 
     run(scenario)
 
@@ -242,17 +235,12 @@ def test_a_burst_of_requests_is_split_into_messages_the_engine_accepts():
         return engine_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=[40_000] * num_ids)  # 3 bytes each
 
     async def scenario():
-        server, target = await serving(SizingEngine(None))
-        client = EngineClient(target, "fp")
-        try:
+        async with client_of(SizingEngine(None)) as client:
             burst = [client.open_stream(long_request(f"r{i}", 3_000), None) for i in range(30)]  # ~9 KB each
             huge = client.open_stream(long_request("huge", 30_000), None)  # ~90 KB: over the budget, alone
             assert [await read_all(stream) for stream in [*burst, huge]] == [[1]] * 31
             assert len(sizes) >= 6
             assert max(size for size in sizes if size < 80_000) <= MESSAGE_BUDGET_BYTES
             assert sum(size > MESSAGE_BUDGET_BYTES for size in sizes) == 1  # the huge one, by itself
-        finally:
-            await client.close()
-            await server.stop(None)
 
     run(scenario)
