@@ -155,11 +155,6 @@ class AsyncEngine:
             self._writer.join(5.0)
         self._connection.close()
 
-    @property
-    def stream_interval(self) -> int:
-        """A stream has output once this many tokens are pending (or its first token, its finish, an error)."""
-        return self._stream_interval
-
     def stats(self) -> EngineStats:
         """The engine's figures as of the last step this front heard of."""
         return self._stats

@@ -121,6 +121,9 @@ class BatchCall:
 
     def _start_message(self) -> None:
         self._queue.append(self._pending)
+        self._new_pending()
+
+    def _new_pending(self) -> None:
         self._pending, self._pending_cancels, self._pending_bytes = engine_pb2.GenerateBatchRequest(), set(), 0
 
     def _connect(self) -> None:
@@ -140,11 +143,9 @@ class BatchCall:
             while True:
                 await self._news.wait()
                 self._news.clear()
-                messages, self._queue = self._queue, []
                 if self._pending.requests or self._pending.cancel_request_ids:
-                    messages.append(self._pending)
-                    self._pending, self._pending_cancels, self._pending_bytes = (
-                        engine_pb2.GenerateBatchRequest(), set(), 0)
+                    self._start_message()
+                messages, self._queue = self._queue, []
                 for message in messages:
                     await call.write(message)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
@@ -185,8 +186,8 @@ class BatchCall:
             return
         self._call = None
         self._tasks[0].cancel()
-        self._pending, self._pending_cancels, self._queue = engine_pb2.GenerateBatchRequest(), set(), []
-        self._pending_bytes = 0
+        self._new_pending()
+        self._queue = []
         entries, self._entries = self._entries, {}
         if error is not None and error.code() == grpc.StatusCode.UNIMPLEMENTED:
             self.unsupported = True
