@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
 from llmserve.common.v1 import common_pb2
@@ -18,12 +19,17 @@ MAX_MODEL_LEN = 512
 FIRST_TOKEN_ID = 2  # the tiny word-level tokenizer's first word
 
 
+ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
+
+
 class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     """Scripted engine. Generate sends `num_tokens` tokens; while `gate` is clear it holds each stream after
-    its first token; with `full` set it refuses with RESOURCE_EXHAUSTED + RetryInfo before any message."""
+    its first token; with `full` set it refuses with RESOURCE_EXHAUSTED + RetryInfo before any message.
+    With `has_health` it serves grpc.health.v1 too (SERVING until set_serving(False)), as the engine does."""
 
-    def __init__(self, name: str, num_tokens: int = 3):
+    def __init__(self, name: str, num_tokens: int = 3, has_health: bool = True):
         self.name = name
+        self.health = health.aio.HealthServicer() if has_health else None
         self.num_tokens = num_tokens
         self.gate = asyncio.Event()
         self.gate.set()
@@ -34,12 +40,16 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         self.kv_subscribers: list[asyncio.Queue] = []
         self.prompts: list[list[int]] = []  # every Generate's prompt ids, in arrival order
         self.first_sent = asyncio.Event()  # set when some stream has sent its first message
+        self.num_info_calls = 0
         self.server: grpc.aio.Server | None = None
         self.port = 0
 
     async def start(self, port: int = 0) -> str:
         self.server = grpc.aio.server()
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self, self.server)
+        if self.health is not None:
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+            await self.set_serving(True)
         self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         await self.server.start()
         return self.target
@@ -47,6 +57,11 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    async def set_serving(self, serving: bool) -> None:
+        """The engine service's health, as a drain (False) or its end (True) sets it."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set(ENGINE_SERVICE, status)
 
     async def stop(self) -> None:
         """As a SIGKILL looks from outside: open streams break, the port stops answering."""
@@ -68,6 +83,7 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
                 await self.gate.wait()
 
     async def GetEngineInfo(self, request, context):
+        self.num_info_calls += 1
         return engine_pb2.GetEngineInfoResponse(model_name=self.name, vocab_size=64, max_model_len=MAX_MODEL_LEN,
                                                 block_size=BLOCK_SIZE, num_total_blocks=64,
                                                 tokenizer_fingerprint=self.fingerprint)

@@ -57,7 +57,8 @@ async def served(tokenizer: TextTokenizer, targets: list[EngineTarget], routing:
         flips.append(ready)
         await follow(ready)
 
-    pool = EnginePool(targets, tokenizer.fingerprint(), routing, on_ready, watch_interval_s=WATCH_S, **pool_kwargs)
+    pool_kwargs.setdefault("watch_interval_s", WATCH_S)
+    pool = EnginePool(targets, tokenizer.fingerprint(), routing, on_ready, **pool_kwargs)
     servicer = TextGenerationServicer(tokenizer, pool, state)
     server = build_server([SERVICE_NAME], state, servicer.register)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -128,6 +129,41 @@ def test_a_dead_replicas_stream_ends_unavailable_others_take_over_and_it_rejoins
             assert len(revived.prompts) == 2
             await revived.stop()
         await survivor.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_that_starts_draining_leaves_the_rotation_at_once_and_rejoins_when_it_serves(tiny_tokenizer):
+    """The engine's health Watch tells each flip as it happens: no poll could, at one poll an hour."""
+    async def scenario():
+        engine = FakeEngine("a")
+        async with served(tiny_tokenizer, await started(engine), Routing.ROUND_ROBIN,
+                          watch_interval_s=3600) as (pool, flips, stub):
+            await until(lambda: num_ready(pool) == 1, "the replica ready")
+            await engine.set_serving(False)
+            await until(lambda: num_ready(pool) == 0, "the draining replica out of the rotation")
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await complete(stub)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE and not engine.prompts
+            await engine.set_serving(True)
+            await until(lambda: num_ready(pool) == 1, "the replica back once it serves again")
+            assert await complete(stub) == common_pb2.FINISH_REASON_LENGTH
+            assert flips == [True, False, True]
+        await engine.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_without_health_watch_is_polled_and_stays_in_the_rotation(tiny_tokenizer):
+    async def scenario():
+        engine = FakeEngine("older build", has_health=False)
+        async with served(tiny_tokenizer, await started(engine), Routing.ROUND_ROBIN) as (pool, flips, stub):
+            await until(lambda: engine.num_info_calls >= 5, "a few polls")
+            assert num_ready(pool) == 1 and flips == [True]
+            assert await complete(stub) == common_pb2.FINISH_REASON_LENGTH
+            await engine.stop()
+            await until(lambda: num_ready(pool) == 0, "the stopped replica out of the rotation")
+            assert flips == [True, False]
 
     asyncio.run(scenario())
 

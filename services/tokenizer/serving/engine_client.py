@@ -5,6 +5,7 @@ import asyncio
 import logging
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc
 
@@ -13,6 +14,8 @@ from services.common.grpc_server import CLIENT_OPTIONS
 
 logger = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 5.0  # an Abort is answered between two engine steps
+ENGINE_SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
+_SERVING = health_pb2.HealthCheckResponse.SERVING
 
 # Reconnect quickly after the engine restarts instead of gRPC's default backoff of up to two minutes.
 _CHANNEL_OPTIONS = CLIENT_OPTIONS + [
@@ -32,6 +35,7 @@ class EngineClient:
         self.fingerprint = fingerprint
         self.channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
         self._batch = None
         if batched:
             from services.tokenizer.serving.engine_batch import BatchCall  # it builds on EngineStream, below
@@ -53,6 +57,25 @@ class EngineClient:
         self.info = info
         self._set_ready(True, f"engine {self.target} serves {info.model_name}")
         return True
+
+    async def follow_serving(self, on_ready) -> str:
+        """Follow the engine's grpc.health.v1 Watch of its service until the stream ends: each status it sends
+        becomes on_ready(ready), at once (a drain starting is seen as it starts); a SERVING one is confirmed with
+        check(). Returns the status code name the stream ended with (UNIMPLEMENTED: an engine without Watch)."""
+        call = self._health.Watch(health_pb2.HealthCheckRequest(service=ENGINE_SERVICE_NAME))
+        try:
+            async for response in call:
+                if response.status == _SERVING:
+                    ready = await self.check()
+                else:
+                    ready = False
+                    self._set_ready(False, f"engine {self.target} is not serving (draining or not started)")
+                await on_ready(ready)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code().name
+        finally:
+            call.cancel()
+        return grpc.StatusCode.OK.name
 
     def _set_ready(self, ready: bool, message: str) -> None:
         if ready != self.ready.is_set():
@@ -245,11 +268,26 @@ def upstream_error(exc: grpc.aio.AioRpcError) -> Exception:
 
 
 async def watch_engine(client: EngineClient, on_change, interval_s: float = 1.0) -> None:
-    """Poll the engine forever; call on_change(ready) whenever readiness flips."""
+    """Follow the engine's readiness forever; call on_change(ready) whenever it flips.
+
+    While the engine answers, its health Watch stream tells each flip as it happens (EngineClient.follow_serving);
+    while it does not, or when it has no Watch (an older build), GetEngineInfo is polled every interval_s.
+    """
     previous = None
+
+    async def report(ready: bool) -> None:
+        nonlocal previous
+        if ready != previous:
+            previous = ready
+            await on_change(ready)
+
+    has_watch = True
     while True:
         ready = await client.check()
-        if ready != previous:
-            await on_change(ready)
-            previous = ready
+        await report(ready)
+        if ready and has_watch:
+            ended = await client.follow_serving(report)
+            has_watch = ended != grpc.StatusCode.UNIMPLEMENTED.name
+            if has_watch:  # the stream broke: the engine went away (or restarted), which a check tells at once
+                await report(await client.check())
         await asyncio.sleep(interval_s)
