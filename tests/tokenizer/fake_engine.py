@@ -13,13 +13,11 @@ from llmserve.common.v1 import common_pb2
 from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc
 from services.common.errors import QueueFullError
 from services.common.grpc_server import status_for
+from tests.services.procs import ENGINE_SERVICE
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 512
 FIRST_TOKEN_ID = 2  # the tiny word-level tokenizer's first word
-
-
-ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 
 
 class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
