@@ -8,7 +8,9 @@ The engine serves a random 2-layer, 64-wide Llama carrying the embedded model's 
 almost nothing and the path around it shows). A load generator in its own process keeps --concurrency greedy
 streams (ignore_eos) open until --num-requests are done. The tokenizer service's CPU time (all its processes,
 from /proc) over the load, divided by the tokens the clients received, is the figure; the engine service's is
-printed beside it, and the client messages per token show how much the relay coalesced.
+printed beside it, with its fronts' part (all its processes but the engine-core one), and the client messages
+per token show how much the relay coalesced. Runs at two or more --max-tokens separate each service's cost per
+request from its cost per token (CPU per token = per token + per request / tokens per request).
 """
 
 import argparse
@@ -17,15 +19,13 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from bench.proc_cpu import CpuMeter, largest_descendant  # noqa: E402
 from tests.services.procs import LoggedProcess, ServiceProcess, wait_health  # noqa: E402
-
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def build_checkpoint(path: Path) -> None:
@@ -43,26 +43,6 @@ def build_checkpoint(path: Path) -> None:
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(str(path), safe_serialization=True)
     tokenizer.save_pretrained(str(path))
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of `pid` and all its descendants still alive."""
-    total = 0.0
-    for p in [pid, *descendants(pid)]:
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-    return total
-
-
-def descendants(pid: int) -> list[int]:
-    try:
-        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-    return children + [d for c in children for d in descendants(c)]
 
 
 class Services:
@@ -121,10 +101,11 @@ def main() -> None:
         services = Services(model, args.code.resolve(), args.workers, max_num_seqs=args.concurrency)
         try:
             run_load(services.tokenizer.target, argparse.Namespace(**{**vars(args), "num_requests": 16}))  # warm-up
-            tok_before, eng_before = (cpu_seconds(p.proc.pid) for p in (services.tokenizer, services.engine))
+            meter = CpuMeter({"tokenizer": services.tokenizer.proc.pid, "engine": services.engine.proc.pid,
+                              "core": largest_descendant(services.engine.proc.pid)})
+            meter.start()
             report = run_load(services.tokenizer.target, args)
-            tok_cpu = cpu_seconds(services.tokenizer.proc.pid) - tok_before
-            eng_cpu = cpu_seconds(services.engine.proc.pid) - eng_before
+            cpu = meter.stop()
         finally:
             services.stop()
     tokens = report["tokens"]
@@ -132,8 +113,11 @@ def main() -> None:
           f"{args.max_tokens} tokens, {args.concurrency} streams{', slow reader' if args.slow_reader else ''}")
     print(f"  tokens {tokens}, {report['tokens_per_s']:.0f} tok/s, client messages per token "
           f"{report['messages'] / tokens:.3f}")
-    print(f"  tokenizer service CPU {tok_cpu:.2f} s = {tok_cpu / tokens * 1e6:.1f} µs/token; "
-          f"engine service CPU {eng_cpu / tokens * 1e6:.1f} µs/token")
+    fronts = cpu["engine"] - cpu["core"]
+    print(f"  tokenizer service CPU {cpu['tokenizer']:.2f} s = {cpu['tokenizer'] / tokens * 1e6:.1f} µs/token; "
+          f"engine service CPU {cpu['engine'] / tokens * 1e6:.1f} µs/token, of which its fronts (all but the "
+          f"engine-core process) {fronts / tokens * 1e6:.1f} µs/token = {fronts / args.num_requests * 1e3:.2f} ms "
+          f"per request")
 
 
 if __name__ == "__main__":
