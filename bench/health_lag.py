@@ -24,8 +24,9 @@ import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2  # noqa: E402
 from llmserve import LLMServeClient  # noqa: E402
 
+from tests.services.helpers import engine_load  # noqa: E402
 from tests.services.procs import (  # noqa: E402
-    ENGINE_SERVICE, TEXTGEN_SERVICE, ServiceProcess, health_status, wait_health)
+    ENGINE_SERVICE, TEXTGEN_SERVICE, ServiceProcess, health_status, poll_until, wait_health)
 
 ASK_EVERY_S = 0.005
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -84,15 +85,12 @@ def measure_once(model: str | None, num_streams: int = 0) -> tuple[float | None,
 
 
 def _wait_running(engine_target: str, num_streams: int) -> None:
-    from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc
+    from llmserve.engine.v1 import engine_pb2_grpc
 
     with grpc.insecure_channel(engine_target) as channel:
         stub = engine_pb2_grpc.EngineServiceStub(channel)
-        deadline = time.monotonic() + GIVE_UP_S
-        while stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=5).num_running < num_streams:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{num_streams} streams never ran at once")
-            time.sleep(0.05)
+        poll_until(lambda: True if engine_load(stub).num_running >= num_streams else None, GIVE_UP_S,
+                   f"{num_streams} streams running at once")
 
 
 def main() -> None:
