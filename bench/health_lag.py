@@ -89,7 +89,7 @@ def _wait_running(engine_target: str, num_streams: int) -> None:
 
     with grpc.insecure_channel(engine_target) as channel:
         stub = engine_pb2_grpc.EngineServiceStub(channel)
-        poll_until(lambda: True if engine_load(stub).num_running >= num_streams else None, GIVE_UP_S,
+        poll_until(lambda: engine_load(stub).num_running >= num_streams or None, GIVE_UP_S,
                    f"{num_streams} streams running at once")
 
 
