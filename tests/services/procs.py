@@ -30,6 +30,8 @@ SMALL_ENGINE_FLAGS = ["--max-model-len", "1024", "--num-kvcache-blocks", "256", 
                       "--max-num-batched-tokens", "1024", "--grace-period", "1"]
 MODEL_LOAD_TIMEOUT_S = 240.0
 LISTENING = re.compile(r"^llmserve-(?P<name>\w+) listening on (?P<host>[\w.:\[\]]+):(?P<port>\d+)\b")
+# The text log line of freeze_startup_heap (services/common/gc_heap.py): its process id.
+HEAP_FROZEN = re.compile(r" INFO (?P<pid>\d+) services\.common\.gc_heap .* start-up heap frozen: \d+ objects")
 POLL_INTERVAL_S = 0.05
 MAX_LOG_LINES = 100_000
 
@@ -101,6 +103,10 @@ class LoggedProcess:
             self.lines.append(line.rstrip("\n"))
             self._queue.put(line.rstrip("\n"))
         self._queue.put(None)
+
+    def heap_frozen_pids(self) -> set[int]:
+        """The processes (this one and its children, all logging here) that said they froze their start-up heap."""
+        return {int(match["pid"]) for line in list(self.lines) if (match := HEAP_FROZEN.search(line))}
 
     def log_tail(self, num_lines: int = 40) -> str:
         return "\n".join(self.lines[-num_lines:])

@@ -108,6 +108,10 @@ def test_two_fronts_serve_one_port_and_abort_each_others_streams(tiny_checkpoint
     try:
         front_pids = children(engine.proc.pid) - {core_pid(engine)}
         assert len([pid for pid in front_pids if alive(pid)]) >= 1, "no second front process"
+        # every process of the service leaves its start-up heap out of the collector's scans: both fronts, the core
+        frozen = poll_until(lambda: engine.heap_frozen_pids() if len(engine.heap_frozen_pids()) == 3 else None,
+                            60, "three processes to freeze their start-up heap")
+        assert {engine.proc.pid, core_pid(engine)} < frozen and frozen <= {engine.proc.pid} | children(engine.proc.pid)
         streams = Streams(engine.target, max_tokens=3000)
         with grpc.insecure_channel(engine.target) as channel:
             stub = engine_pb2_grpc.EngineServiceStub(channel)

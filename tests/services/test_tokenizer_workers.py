@@ -126,6 +126,8 @@ def generate(channel: grpc.Channel, max_tokens: int) -> tuple[str, list[int], in
 def test_every_worker_serves_generate_and_health(stack, workers):
     assert sum(bool(LISTENING.search(line)) for line in workers.lines) == 1
     pids = server_pids(workers)
+    poll_until(lambda: True if workers.heap_frozen_pids() == set(pids) else None, 60,
+               f"the start-up heap frozen in {pids}")
     with grpc.insecure_channel(stack.tokenizer_target) as single:
         expected = generate(single, 8)
     channels = [grpc.insecure_channel(workers.target, options=OWN_CONNECTION) for _ in range(NUM_CONNECTIONS)]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from services.common import logs
 from services.common.default_model import model_display_name
+from services.common.gc_heap import freeze_startup_heap
 from services.engine.core.engine import EngineCore
 from services.engine.core.interfaces import RequestOutput
 from services.engine.serving.messages import (
@@ -244,6 +245,7 @@ def run_engine_core(connections: list, engine_kwargs: dict, log_level: str = "IN
         for connection in connections:
             connection.send_bytes(failure)
         return
+    freeze_startup_heap()
     try:
         CoreLoop(llm.engine, connections, describe(llm)).run()
     finally:

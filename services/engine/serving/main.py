@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 
+from services.common.gc_heap import freeze_startup_heap
 from services.common.grpc_server import ServingState, build_server, configure_logging, run_until_signalled
 from services.common.metrics import MetricsEndpoint, add_observability_args, check_observability_args
 from services.common.reuseport import WorkerGroup, exit_after_drain, reserve_port
@@ -79,6 +80,7 @@ class Front:
         server = build_server([SERVICE_NAME], state, servicer.register, reuse_port=self.args.api_workers > 1,
                               max_receive_bytes=max_receive_bytes)
         port = server.add_insecure_port(f"{self.args.host}:{port}")
+        freeze_startup_heap()
         await server.start()
         await state.mark_alive()
         is_first = workers is not None

@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 
+from services.common.gc_heap import freeze_startup_heap
 from services.common.grpc_server import ServingState, build_server, configure_logging, run_until_signalled
 from services.common.metrics import MetricsEndpoint, add_observability_args, check_observability_args
 from services.common.reuseport import WorkerGroup, exit_after_drain, reserve_port
@@ -86,6 +87,7 @@ async def serve(args: argparse.Namespace, port: int, workers: WorkerGroup | None
     server = build_server([SERVICE_NAME], state, servicer.register, reuse_port=args.workers > 1,
                           max_receive_bytes=limits.receive_bytes(tokenizer.context_length()))
     port = server.add_insecure_port(f"{args.host}:{port}")
+    freeze_startup_heap()
     await server.start()
     await state.mark_alive()
     is_first = workers is not None
