@@ -26,6 +26,7 @@ import psutil  # noqa: E402
 from llmserve.textgen.v1 import textgen_pb2, textgen_pb2_grpc  # noqa: E402
 
 SYNC_THREADS = 1024  # the sync server holds a pool thread per open stream: enough for any --streams here
+LOAD_TIMEOUT_S = 300.0  # a server that never answers fails the run instead of hanging it
 MODES = ("context.write", "yield", "sync")  # "sync": grpc.server on a thread pool, yielding
 
 
@@ -93,15 +94,17 @@ async def _load(port: int, num_streams: int) -> int:
 
 def measure(mode: str, num_streams: int, num_messages: int) -> float:
     """Server CPU µs per message for one calling convention (after one warm-up run)."""
-    ports: mp.Queue = mp.Queue()
-    server = mp.Process(target=_serve, args=(mode, num_messages, ports), daemon=True)
+    # NOTE: spawned, not forked: a forked child of a process that has used grpc (a test run's) hangs in grpc.
+    context = mp.get_context("spawn")
+    ports = context.Queue()
+    server = context.Process(target=_serve, args=(mode, num_messages, ports), daemon=True)
     server.start()
     try:
-        port = ports.get(timeout=30)
-        asyncio.run(_load(port, num_streams))
+        port = ports.get(timeout=60)
+        asyncio.run(asyncio.wait_for(_load(port, num_streams), LOAD_TIMEOUT_S))
         process = psutil.Process(server.pid)
         before = sum(process.cpu_times()[:2])
-        num_received = asyncio.run(_load(port, num_streams))
+        num_received = asyncio.run(asyncio.wait_for(_load(port, num_streams), LOAD_TIMEOUT_S))
         if num_received != num_streams * num_messages:
             raise RuntimeError(f"{num_received} messages arrived, {num_streams * num_messages} were sent")
         return (sum(process.cpu_times()[:2]) - before) * 1e6 / num_received
