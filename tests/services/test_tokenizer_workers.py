@@ -7,6 +7,7 @@ connection belongs to exactly one of the processes.
 from __future__ import annotations
 
 import os
+import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ NUM_CONNECTIONS = 16  # all on one of two processes by chance: 2 ** -15
 PROMPT = "The capital of France is"
 EXIT_TIMEOUT_S = 30.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
+SERVING_LINE = re.compile(r"process (\d+) serving$")
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # else channels to one target share a connection
 
 
@@ -47,11 +49,18 @@ def start_workers(engine_target: str, model: str, num_workers: int = 2, grace_s:
 def workers(stack, tokenizer_dir) -> Iterator[ServiceProcess]:
     process = start_workers(stack.engine_target, tokenizer_dir)
     try:
-        wait_listening(process, 2)
+        pids = wait_listening(process, 2)
         wait_health(process.target, TEXTGEN_SERVICE, process=process)
+        # each worker listens before its engine client is ready, and one health check reaches one worker only
+        poll_until(lambda: True if serving_pids(process) >= set(pids) else None, 60, f"{pids} to serve")
         yield process
     finally:
         process.stop()
+
+
+def serving_pids(process: ServiceProcess) -> set[int]:
+    """The processes that logged turning ready (ServingState.mark_ready)."""
+    return {int(match[1]) for line in list(process.lines) if (match := SERVING_LINE.search(line))}
 
 
 def child_pids(pid: int) -> list[int]:

@@ -77,10 +77,10 @@ class Front:
         validator = RequestValidator.for_config(description.scheduler_config, description.vocab_size)
         servicer = EngineServicer(engine, engine_info(description), state, validator, self._metrics())
         max_receive_bytes = 5 * description.scheduler_config.max_model_len + MESSAGE_OVERHEAD_BYTES
+        freeze_startup_heap()  # before the port is added, which starts listening
         server = build_server([SERVICE_NAME], state, servicer.register, reuse_port=self.args.api_workers > 1,
                               max_receive_bytes=max_receive_bytes)
         port = server.add_insecure_port(f"{self.args.host}:{port}")
-        freeze_startup_heap()
         await server.start()
         await state.mark_alive()
         is_first = workers is not None

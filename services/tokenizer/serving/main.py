@@ -84,10 +84,12 @@ async def serve(args: argparse.Namespace, port: int, workers: WorkerGroup | None
     engines = EnginePool(args.engine_targets, tokenizer.fingerprint(), args.routing, health_follower(state), connect)
     limits = await asyncio.to_thread(InputLimits.of, tokenizer)
     servicer = TextGenerationServicer(tokenizer, engines, state, args.default_max_tokens, limits, _metrics(args))
+    # NOTE: before the port is added, which starts listening: with --workers the kernel hands this process
+    # connections from then on, and the freeze takes a few hundred ms.
+    freeze_startup_heap()
     server = build_server([SERVICE_NAME], state, servicer.register, reuse_port=args.workers > 1,
                           max_receive_bytes=limits.receive_bytes(tokenizer.context_length()))
     port = server.add_insecure_port(f"{args.host}:{port}")
-    freeze_startup_heap()
     await server.start()
     await state.mark_alive()
     is_first = workers is not None
