@@ -137,16 +137,16 @@ def main() -> None:
             meter = CpuMeter({"tokenizer": services.tokenizer.proc.pid, "engine": services.engine.proc.pid,
                               "core": largest_descendant(services.engine.proc.pid)})
             meter.start()
-            load_window = (time.monotonic(), None)
+            load_start = time.monotonic()
             report = run_load(services.tokenizer.target, args)
-            load_window = (load_window[0], time.monotonic())
+            load_end = time.monotonic()
             cpu = meter.stop()
             if args.gc_pauses:
                 time.sleep(GC_PROBE_PERIOD_S * 1.5)  # every process rewrites its record once more
         finally:
             services.stop()
         if args.gc_pauses:
-            gc_report = gc_pauses(Path(tmp) / "gc", *load_window)
+            gc_report = gc_pauses(Path(tmp) / "gc", load_start, load_end)
     tokens = report["tokens"]
     print(f"tokenizer service ({args.code}, {args.workers} worker(s)): {args.num_requests} requests x "
           f"{args.max_tokens} tokens, {args.concurrency} streams{', slow reader' if args.slow_reader else ''}")
