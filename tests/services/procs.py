@@ -31,7 +31,7 @@ SMALL_ENGINE_FLAGS = ["--max-model-len", "1024", "--num-kvcache-blocks", "256", 
 MODEL_LOAD_TIMEOUT_S = 240.0
 LISTENING = re.compile(r"^llmserve-(?P<name>\w+) listening on (?P<host>[\w.:\[\]]+):(?P<port>\d+)\b")
 # The text log line of freeze_startup_heap (services/common/gc_heap.py): its process id.
-HEAP_FROZEN = re.compile(r" INFO (?P<pid>\d+) services\.common\.gc_heap .* start-up heap frozen: \d+ objects")
+HEAP_FROZEN = re.compile(r" INFO (\d+) services\.common\.gc_heap .* start-up heap frozen: \d+ objects")
 POLL_INTERVAL_S = 0.05
 MAX_LOG_LINES = 100_000
 
@@ -104,9 +104,9 @@ class LoggedProcess:
             self._queue.put(line.rstrip("\n"))
         self._queue.put(None)
 
-    def heap_frozen_pids(self) -> set[int]:
-        """The processes (this one and its children, all logging here) that said they froze their start-up heap."""
-        return {int(match["pid"]) for line in list(self.lines) if (match := HEAP_FROZEN.search(line))}
+    def logged_pids(self, pattern: re.Pattern[str]) -> set[int]:
+        """The process ids (group 1) of the lines matching `pattern`: this process and its children log here."""
+        return {int(match[1]) for line in list(self.lines) if (match := pattern.search(line))}
 
     def log_tail(self, num_lines: int = 40) -> str:
         return "\n".join(self.lines[-num_lines:])
@@ -199,8 +199,7 @@ def wait_all_serving(process: LoggedProcess, num_processes: int, timeout_s: floa
     shared port logs its own health flips), so no later connection can land on a worker still booting."""
 
     def probe() -> bool | None:
-        pids = {match.group(1) for line in process.lines if (match := SERVING_LINE.search(line))}
-        return True if len(pids) >= num_processes else None
+        return True if len(process.logged_pids(SERVING_LINE)) >= num_processes else None
 
     poll_until(probe, timeout_s, f"{num_processes} {process.name} processes to serve", interval_s=0.1)
 

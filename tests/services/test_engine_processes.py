@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2
 from llmserve.common.v1 import common_pb2
 from llmserve.engine.v1 import engine_pb2, engine_pb2_grpc
 from tests.services.helpers import wait_engine_idle
-from tests.services.procs import ENGINE_SERVICE, ServiceProcess, health_status, poll_until, wait_health
+from tests.services.procs import ENGINE_SERVICE, HEAP_FROZEN, ServiceProcess, health_status, poll_until, wait_health
 
 CALL_TIMEOUT_S = 120.0
 EXIT_TIMEOUT_S = 60.0
@@ -109,7 +109,7 @@ def test_two_fronts_serve_one_port_and_abort_each_others_streams(tiny_checkpoint
         front_pids = children(engine.proc.pid) - {core_pid(engine)}
         assert len([pid for pid in front_pids if alive(pid)]) >= 1, "no second front process"
         # every process of the service leaves its start-up heap out of the collector's scans: both fronts, the core
-        frozen = poll_until(lambda: engine.heap_frozen_pids() if len(engine.heap_frozen_pids()) == 3 else None,
+        frozen = poll_until(lambda: pids if len(pids := engine.logged_pids(HEAP_FROZEN)) == 3 else None,
                             60, "three processes to freeze their start-up heap")
         assert {engine.proc.pid, core_pid(engine)} < frozen and frozen <= {engine.proc.pid} | children(engine.proc.pid)
         streams = Streams(engine.target, max_tokens=3000)

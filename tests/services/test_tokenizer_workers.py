@@ -7,7 +7,6 @@ connection belongs to exactly one of the processes.
 from __future__ import annotations
 
 import os
-import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.common.v1 import common_pb2
 from llmserve.textgen.v1 import textgen_pb2, textgen_pb2_grpc
-from tests.services.procs import LISTENING, TEXTGEN_SERVICE, ServiceProcess, poll_until, wait_health
+from tests.services.procs import (
+    HEAP_FROZEN, LISTENING, TEXTGEN_SERVICE, ServiceProcess, poll_until, wait_all_serving, wait_health)
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,6 @@ NUM_CONNECTIONS = 16  # all on one of two processes by chance: 2 ** -15
 PROMPT = "The capital of France is"
 EXIT_TIMEOUT_S = 30.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
-SERVING_LINE = re.compile(r"process (\d+) serving$")
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # else channels to one target share a connection
 
 
@@ -49,18 +48,12 @@ def start_workers(engine_target: str, model: str, num_workers: int = 2, grace_s:
 def workers(stack, tokenizer_dir) -> Iterator[ServiceProcess]:
     process = start_workers(stack.engine_target, tokenizer_dir)
     try:
-        pids = wait_listening(process, 2)
+        wait_listening(process, 2)
         wait_health(process.target, TEXTGEN_SERVICE, process=process)
-        # each worker listens before its engine client is ready, and one health check reaches one worker only
-        poll_until(lambda: True if serving_pids(process) >= set(pids) else None, 60, f"{pids} to serve")
+        wait_all_serving(process, 2)  # a worker listens before its engine client is ready
         yield process
     finally:
         process.stop()
-
-
-def serving_pids(process: ServiceProcess) -> set[int]:
-    """The processes that logged turning ready (ServingState.mark_ready)."""
-    return {int(match[1]) for line in list(process.lines) if (match := SERVING_LINE.search(line))}
 
 
 def child_pids(pid: int) -> list[int]:
@@ -135,7 +128,7 @@ def generate(channel: grpc.Channel, max_tokens: int) -> tuple[str, list[int], in
 def test_every_worker_serves_generate_and_health(stack, workers):
     assert sum(bool(LISTENING.search(line)) for line in workers.lines) == 1
     pids = server_pids(workers)
-    poll_until(lambda: True if workers.heap_frozen_pids() == set(pids) else None, 60,
+    poll_until(lambda: True if workers.logged_pids(HEAP_FROZEN) == set(pids) else None, 60,
                f"the start-up heap frozen in {pids}")
     with grpc.insecure_channel(stack.tokenizer_target) as single:
         expected = generate(single, 8)
