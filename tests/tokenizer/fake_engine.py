@@ -39,6 +39,8 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         self.prompts: list[list[int]] = []  # every Generate's prompt ids, in arrival order
         self.first_sent = asyncio.Event()  # set when some stream has sent its first message
         self.num_info_calls = 0
+        self.info_gate = asyncio.Event()  # GetEngineInfo answers only while set (a slow first check)
+        self.info_gate.set()
         self.server: grpc.aio.Server | None = None
         self.port = 0
 
@@ -82,6 +84,7 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
 
     async def GetEngineInfo(self, request, context):
         self.num_info_calls += 1
+        await self.info_gate.wait()
         return engine_pb2.GetEngineInfoResponse(model_name=self.name, vocab_size=64, max_model_len=MAX_MODEL_LEN,
                                                 block_size=BLOCK_SIZE, num_total_blocks=64,
                                                 tokenizer_fingerprint=self.fingerprint)

@@ -19,6 +19,7 @@ from llmserve.textgen.v1 import textgen_pb2, textgen_pb2_grpc
 from services.common.block_hash import prompt_block_hashes
 from services.common.grpc_server import ServingState, build_server
 from services.tokenizer.serving.engine_client import EngineClient
+from services.tokenizer.serving import engine_pool
 from services.tokenizer.serving.engine_pool import EnginePool
 from services.tokenizer.routing import Routing
 from services.tokenizer.routing_targets import EngineTarget, parse_targets
@@ -149,6 +150,82 @@ def test_a_replica_that_starts_draining_leaves_the_rotation_at_once_and_rejoins_
             await until(lambda: num_ready(pool) == 1, "the replica back once it serves again")
             assert await complete(stub) == common_pb2.FINISH_REASON_LENGTH
             assert flips == [True, False, True]
+        await engine.stop()
+
+    asyncio.run(scenario())
+
+
+@contextlib.asynccontextmanager
+async def held_checks(engine: FakeEngine):
+    """Stops `engine` on the way out, its GetEngineInfo released first (a handler left waiting hangs the exit)."""
+    try:
+        yield
+    finally:
+        engine.info_gate.set()
+        await engine.stop()
+
+
+def test_a_call_that_arrives_before_the_first_engine_check_waits_for_it(tiny_tokenizer):
+    """The port opens before the first GetEngineInfo comes back (a --workers process gets connections at once):
+    a call in that window is served once the check answers, not failed UNAVAILABLE while the engine is up."""
+    async def scenario():
+        engine = FakeEngine("a")
+        engine.info_gate.clear()
+        async with held_checks(engine), \
+                served(tiny_tokenizer, await started(engine), Routing.ROUND_ROBIN) as (pool, flips, stub):
+            call = asyncio.ensure_future(complete(stub))
+            await until(lambda: engine.num_info_calls == 1, "the first check in flight")
+            assert not call.done() and num_ready(pool) == 0 and flips == []
+            engine.info_gate.set()
+            assert await call == common_pb2.FINISH_REASON_LENGTH
+            assert flips == [True] and len(engine.prompts) == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_call_waits_for_the_first_checks_at_most_first_checks_wait_s(tiny_tokenizer, monkeypatch):
+    monkeypatch.setattr(engine_pool, "FIRST_CHECKS_WAIT_S", 0.05)
+
+    async def scenario():
+        engine = FakeEngine("a")
+        engine.info_gate.clear()  # the check hangs (until its own 2 s timeout)
+        async with held_checks(engine), \
+                served(tiny_tokenizer, await started(engine), Routing.ROUND_ROBIN) as (pool, _, stub):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await complete(stub)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "no engine replica is available" in caught.value.details()
+            assert engine.num_info_calls == 1 and not pool.members[engine.target].checked
+
+    asyncio.run(scenario())
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_no_call_waits_once_the_first_checks_found_no_engine_or_after_one_left(tiny_tokenizer, monkeypatch):
+    """An engine that refuses connections at start-up, or one that was ready and went away: UNAVAILABLE at once
+    (the wait, set longer than the call's deadline here, would turn it into DEADLINE_EXCEEDED)."""
+    monkeypatch.setattr(engine_pool, "FIRST_CHECKS_WAIT_S", HANG_S)
+
+    async def scenario():
+        nobody = parse_targets([f"127.0.0.1:{free_port()}"])
+        async with served(tiny_tokenizer, nobody, Routing.ROUND_ROBIN) as (pool, _, stub):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.Generate(request(), timeout=HANG_S / 4).read()
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert [member.checked for member in pool.members.values()] == [True]
+        engine = FakeEngine("a")
+        async with served(tiny_tokenizer, await started(engine), Routing.ROUND_ROBIN) as (pool, _, stub):
+            await until(lambda: num_ready(pool) == 1, "the replica ready")
+            await engine.set_serving(False)
+            await until(lambda: num_ready(pool) == 0, "the draining replica out of the rotation")
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.Generate(request(), timeout=HANG_S / 4).read()
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
         await engine.stop()
 
     asyncio.run(scenario())

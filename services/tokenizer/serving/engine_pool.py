@@ -12,6 +12,7 @@ The service is ready while at least one replica is.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,9 @@ RESOLVE_INTERVAL_S = 5.0
 KV_RESUBSCRIBE_S = 1.0  # after a KV event stream ends while the replica still looks ready
 KV_LAGGED_RESUBSCRIBE_S = 0.05  # after the engine dropped us for reading too slowly
 KV_UNIMPLEMENTED_RETRY_S = 30.0  # an engine build without SubscribeKvEvents: ask again this rarely
+# The longest a call waits for the start-up checks (each bounded by EngineClient.check's 2 s timeout) when it
+# arrives before they are done: past it, the call fails as it would without the wait.
+FIRST_CHECKS_WAIT_S = 5.0
 
 
 @dataclass(slots=True, eq=False)
@@ -38,6 +42,7 @@ class Member:
     client: EngineClient
     tasks: list[asyncio.Task] = field(default_factory=list)
     retired: bool = False  # gone from DNS: takes no new requests, closes once its streams end
+    checked: bool = False  # its watch has had a first answer (or failure) from the engine
 
     @property
     def address(self) -> str:
@@ -53,6 +58,9 @@ class SingleEngine:
 
     def require_info(self):
         return self.member.client.require_info()
+
+    async def settled_info(self):
+        return self.require_info()  # the owner checked the client before serving
 
     def pick(self, prompt_ids: Sequence[int], exclude: Sequence[Member] = ()) -> Member | None:
         if exclude or not self.member.client.ready.is_set():
@@ -90,6 +98,7 @@ class EnginePool:
         self._poll_load = routing is not Routing.ROUND_ROBIN and can_be_several
         self._ready: list[Member] = []  # the ready members, in address order: the router's candidates
         self._is_ready = False
+        self._settled = asyncio.Event()  # a replica is ready, or every one known has had its first check
         self._resolver: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -110,6 +119,16 @@ class EnginePool:
             if member.client.info is not None:
                 return member.client.info
         raise UnavailableError(f"no engine replica is available ({self._describe()})")
+
+    async def settled_info(self):
+        """require_info, once the start-up checks have settled: the port opens before the first GetEngineInfo
+        has come back (and with --workers the kernel hands a starting worker connections at once), so a call in
+        those few milliseconds waits for them instead of failing UNAVAILABLE while the engine is up. Only at
+        start-up: once settled, a replica that goes away fails calls at once, so clients can retry elsewhere."""
+        if not self._settled.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._settled.wait(), FIRST_CHECKS_WAIT_S)
+        return self.require_info()
 
     def pick(self, prompt_ids: Sequence[int], exclude: Sequence[Member] = ()) -> Member | None:
         """The replica for a prompt (counted as one more stream on it until release()); None when every ready
@@ -187,6 +206,7 @@ class EnginePool:
     async def _set_ready(self, member: Member, ready: bool) -> None:
         if member.retired:
             return
+        member.checked = True
         member.replica.ready = ready
         if not ready:
             member.replica.num_reported = 0  # (its index goes when its KV event stream ends)
@@ -197,6 +217,8 @@ class EnginePool:
     async def _update_ready(self) -> None:
         self._ready = [member for _, member in sorted(self.members.items()) if member.replica.ready]
         is_ready = bool(self._ready)
+        if is_ready or all(member.checked for member in self.members.values()):
+            self._settled.set()
         if is_ready != self._is_ready:
             self._is_ready = is_ready
             if self._on_ready is not None:

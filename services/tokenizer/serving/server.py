@@ -56,7 +56,7 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
                         context: grpc.aio.ServicerContext, record: RequestRecord) -> None:
         if self.state.draining:
             raise UnavailableError("tokenizer service is draining")
-        info = self.engines.require_info()
+        info = await self.engines.settled_info()
         size = self.limits.check_prompt(request, info.max_model_len)
         args = (request, request_id, self.tokenizer, info.max_model_len, self.default_max_tokens)
         # NOTE: a short prompt is tokenized inline: that takes far less than a thread hop.
@@ -183,7 +183,7 @@ class TextGenerationServicer(textgen_pb2_grpc.TextGenerationServiceServicer):
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     async def GetModelInfo(self, request, context) -> textgen_pb2.GetModelInfoResponse:
-        info = self.engines.require_info()
+        info = await self.engines.settled_info()
         defaults = self.tokenizer.generation_defaults()
         sampling = common_pb2.SamplingParams(temperature=defaults["temperature"], top_p=defaults["top_p"],
                                              min_p=defaults["min_p"], max_tokens=self.default_max_tokens)
