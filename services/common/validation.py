@@ -30,6 +30,8 @@ def check_request_id(request_id: str) -> None:
     if len(request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidRequestError(REQUEST_ID, f"must be at most {MAX_REQUEST_ID_LEN} characters, "
                                               f"got {len(request_id)}")
+    if request_id.isascii() and request_id.isprintable():  # exactly 0x20-0x7e: the rule, 10x cheaper than the scan
+        return
     bad = next((char for char in request_id if ord(char) not in _PRINTABLE_ASCII), None)
     if bad is not None:
         raise InvalidRequestError(REQUEST_ID, f"must be printable ASCII (0x20-0x7e), got {bad!r} "

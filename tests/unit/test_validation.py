@@ -144,3 +144,19 @@ def test_a_refused_huge_request_id_is_logged_short():
     huge = loggable_request_id("b" * 8_000_000)
     assert huge.startswith("b" * MAX_REQUEST_ID_LEN + "...") and huge.endswith("(8000000 characters)")
     assert len(huge) < MAX_REQUEST_ID_LEN + 40
+
+
+def test_a_request_id_character_passes_exactly_when_it_is_printable_ascii():
+    """Every code point of the first planes, and a few beyond: the fast path and the scan agree with the rule."""
+    from services.common.errors import InvalidRequestError
+    from services.common.validation import check_request_id
+
+    refused = []
+    for code in [*range(0x3000), 0xFEFF, 0x1F600, 0xE0001, 0x10FFFF]:
+        try:
+            check_request_id(f"id-{chr(code)}")
+        except InvalidRequestError as error:
+            assert error.field == "request_id" and "at index 3" in error.description
+            refused.append(code)
+    assert refused == [code for code in [*range(0x3000), 0xFEFF, 0x1F600, 0xE0001, 0x10FFFF]
+                       if not 0x20 <= code <= 0x7E]

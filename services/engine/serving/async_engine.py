@@ -354,7 +354,7 @@ class AsyncEngine:
                     commands.append(self._commands.get_nowait())
                 except queue.Empty:
                     break
-            stop = _STOP_WRITER in commands
+            stop = any(command is _STOP_WRITER for command in commands)  # `in` would call each command's __eq__
             commands = [command for command in commands if command is not _STOP_WRITER]
             if commands:
                 try:
