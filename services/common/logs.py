@@ -13,6 +13,7 @@ import datetime
 import json
 import logging
 import re
+import time
 from collections.abc import Callable
 
 LOG_FORMATS = ("text", "json")
@@ -54,6 +55,16 @@ class TextFormatter(logging.Formatter):
 
     def __init__(self):
         super().__init__(TEXT_FORMAT)
+        self._second, self._second_text = None, ""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        """logging's default text (`2026-12-02 03:01:06,123`), its strftime done once per second (the handler's
+        lock serializes format calls)."""
+        second = int(record.created)
+        if second != self._second:
+            self._second_text = time.strftime(self.default_time_format, self.converter(record.created))
+            self._second = second
+        return self.default_msec_format % (self._second_text, record.msecs)
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         record.message = escape_controls(record.message)
@@ -95,6 +106,10 @@ def configure(level: str = "INFO", log_format: str = "text", get_request_id: Cal
     """
     if log_format not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {LOG_FORMATS}, not {log_format!r}")
+    # Per record, logging would find the caller's file and line and the thread's name: no line of ours prints them
+    # (the logging documentation's "Optimization" section names these switches).
+    logging._srcfile = None
+    logging.logThreads = False
     handler = logging.StreamHandler(stream)
     handler.addFilter(RequestIdFilter(get_request_id, label))
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
@@ -112,15 +127,15 @@ class _RequestLine:
     def __str__(self) -> str:
         parts = []
         for key, value in self.fields.items():
-            if value is None:
-                continue
-            if isinstance(value, float):
-                text = f"{value:.4f}"
-            elif isinstance(value, str):
-                text = escape_value(value)
-            else:
-                text = str(value)
-            parts.append(f"{key}={text}")
+            kind = type(value)
+            if kind is str:
+                parts.append(f"{key}={escape_value(value)}")
+            elif kind is float:
+                parts.append(f"{key}={value:.4f}")
+            elif kind is int:
+                parts.append(f"{key}={value}")
+            elif value is not None:  # anything else (a str subclass too) is escaped like a client string
+                parts.append(f"{key}={escape_value(str(value))}")
         return " ".join(parts)
 
 

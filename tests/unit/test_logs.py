@@ -102,3 +102,26 @@ def test_escape_value_leaves_plain_strings_and_quotes_the_rest():
 def test_an_unknown_format_is_refused():
     with pytest.raises(ValueError):
         logs.configure("INFO", "xml")
+
+
+def test_the_text_time_is_loggings_default_across_seconds():
+    """The formatter keeps one strftime per second: within a second, across one, and back again."""
+    ours, default = logs.TextFormatter(), logging.Formatter()
+    for created in [1764644466.0, 1764644466.123, 1764644466.999, 1764644467.0005, 1764644467.5, 1764644400.25]:
+        record = logging.makeLogRecord({})
+        record.created, record.msecs = created, int((created - int(created)) * 1000) + 0.0
+        assert ours.formatTime(record) == default.formatTime(record), created
+
+
+def test_a_field_of_another_type_is_escaped_like_a_client_string(capture):
+    class Name(str):
+        pass
+
+    class Thing:
+        def __str__(self) -> str:
+            return "x\nFORGED"
+
+    buffer = capture("text")
+    logs.log_request(logging.getLogger("test.logs"), dict(FIELDS, code=Name("a\nb"), engine=Thing()))
+    [line] = lines_of(buffer)
+    assert 'code="a\\nb"' in line and 'engine="x\\nFORGED"' in line
