@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 WORKER_EXIT_MARGIN_S = 10.0
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
+MAX_PENDING_CALLS = 10_000
+UNREQUESTED_CALL_MAX_S = 3600
 # Long generation streams: allow client pings without data and never punish them (ARCHITECTURE.md §4).
 SERVER_OPTIONS = [
     ("grpc.keepalive_time_ms", 30_000),
@@ -38,6 +40,13 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_ping_strikes", 0),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    # Calls that arrived but that the server has not yet taken up: grpc.aio takes one per event-loop turn, so
+    # a burst waits here. grpc's defaults refuse some past 1,000 of them and all past 3,000, and cancel one that
+    # waited 30 s, each time as CANCELLED with no reason, which a client cannot act on. A burst up to
+    # MAX_PENDING_CALLS waits its turn (each call's own deadline still applies); admission is the engine's.
+    ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+    ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+    ("grpc.server_max_unrequested_time_in_server", UNREQUESTED_CALL_MAX_S),
 ]
 CLIENT_OPTIONS = [
     ("grpc.keepalive_time_ms", 30_000),
