@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from llmserve.textgen.v1 import textgen_pb2, textgen_pb2_grpc
+from tests.services.procs import TEXTGEN_SERVICE
 
 NUM_CALLS = 2_500
 NUM_CHANNELS = 8
@@ -37,8 +38,7 @@ def _serve(ports: multiprocessing.Queue) -> None:
     async def main() -> None:
         servicer = textgen_pb2_grpc.TextGenerationServiceServicer()
         servicer.Generate = generate
-        name = textgen_pb2.DESCRIPTOR.services_by_name["TextGenerationService"].full_name
-        server = build_server([name], ServingState(name),
+        server = build_server([TEXTGEN_SERVICE], ServingState(TEXTGEN_SERVICE),
                               lambda s: textgen_pb2_grpc.add_TextGenerationServiceServicer_to_server(servicer, s))
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()

@@ -50,7 +50,7 @@ def workers(stack, tokenizer_dir) -> Iterator[ServiceProcess]:
     try:
         wait_listening(process, 2)
         wait_health(process.target, TEXTGEN_SERVICE, process=process)
-        wait_all_serving(process, 2)  # a worker listens before its engine client is ready
+        wait_all_serving(process, 2)  # each worker serving (health, drain) before the tests count on it
         yield process
     finally:
         process.stop()

@@ -25,6 +25,7 @@ from services.tokenizer.routing import Routing
 from services.tokenizer.routing_targets import EngineTarget, parse_targets
 from services.tokenizer.serving.server import SERVICE_NAME, TextGenerationServicer, health_follower
 from services.tokenizer.tokenizer import TextTokenizer
+from tests.services.procs import free_port
 from tests.tokenizer.fake_engine import BLOCK_SIZE, FakeEngine
 from tests.tokenizer.helpers import build_tiny_tokenizer_dir
 
@@ -198,12 +199,6 @@ def test_a_call_waits_for_the_first_checks_at_most_first_checks_wait_s(tiny_toke
             assert engine.num_info_calls == 1 and not pool.members[engine.target].checked
 
     asyncio.run(scenario())
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_no_call_waits_once_the_first_checks_found_no_engine_or_after_one_left(tiny_tokenizer, monkeypatch):
